@@ -1,0 +1,239 @@
+//! Compiles every Slang kernel file under `shaders/kernels/` twice: to SPIR-V (with reflection JSON
+//! and a depfile) for the Vulkan backend, and to CUDA C++ for the CUDA backend, which compiles it at
+//! run time with NVRTC. Generates `kernels.rs` in `OUT_DIR`: one static table naming every kernel
+//! file, its entry points, thread-group sizes, push-constant layout and the two compiled forms.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const SLANGC_HELP: &str = "slangc not found. Run `make setup` (installs the PyPI wheel `slangtorch` \
+with --no-deps into .tools/slang), or set SLANGC to a slangc binary, or put slangc on PATH.";
+
+fn main() {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
+    println!("cargo:rerun-if-env-changed=SLANGC");
+    println!("cargo:rerun-if-changed=shaders");
+    println!("cargo:rerun-if-changed=shaders/kernels");
+    println!("cargo:rerun-if-changed=shaders/common");
+
+    let slangc = find_slangc(&root).unwrap_or_else(|| panic!("{SLANGC_HELP}"));
+    let kernel_dir = root.join("shaders/kernels");
+    let common_dir = root.join("shaders/common");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&kernel_dir)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", kernel_dir.display()))
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "slang"))
+        .collect();
+    files.sort();
+
+    let mut generated = String::new();
+    let mut table = String::new();
+    let mut set_hash = Fnv64::new();
+    for (index, source) in files.iter().enumerate() {
+        let stem = source.file_stem().and_then(|s| s.to_str()).expect("utf-8 kernel file name").to_string();
+        println!("cargo:rerun-if-changed={}", source.display());
+        let spv = out.join(format!("{stem}.spv"));
+        let json = out.join(format!("{stem}.json"));
+        let dep = out.join(format!("{stem}.d"));
+        let cuda = out.join(format!("{stem}.cu"));
+        run_slangc(
+            &slangc,
+            Command::new(&slangc)
+                .arg(source)
+                .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
+                .args(["-warnings-disable", "41012"])
+                .arg("-I")
+                .arg(&common_dir)
+                .arg("-o")
+                .arg(&spv)
+                .arg("-reflection-json")
+                .arg(&json)
+                .arg("-depfile")
+                .arg(&dep),
+            source,
+        );
+        run_slangc(
+            &slangc,
+            Command::new(&slangc)
+                .arg(source)
+                .args(["-target", "cuda", "-line-directive-mode", "none"])
+                .args(["-warnings-disable", "41012"])
+                .arg("-I")
+                .arg(&common_dir)
+                .arg("-o")
+                .arg(&cuda),
+            source,
+        );
+        for dependency in read_depfile(&dep) {
+            println!("cargo:rerun-if-changed={}", dependency.display());
+        }
+        let mut words = std::fs::read(&spv).expect("slangc wrote the SPIR-V");
+        rewrite_opsource_language(&mut words);
+        std::fs::write(&spv, &words).expect("write SPIR-V");
+        set_hash.write(&words);
+        let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
+        set_hash.write(&cuda_text);
+
+        let reflection: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(&json).expect("slangc wrote reflection")).expect("reflection JSON parses");
+        let (push_bytes, fields) = push_constant_layout(&reflection, &stem);
+        let entries = entry_points(&reflection, &stem);
+
+        let module = stem.clone();
+        writeln!(generated, "/// Kernel file `shaders/kernels/{stem}.slang`.").unwrap();
+        writeln!(generated, "pub mod {module} {{").unwrap();
+        writeln!(generated, "    use super::*;").unwrap();
+        writeln!(generated, "    /// Index of this file in [`KERNEL_FILES`].").unwrap();
+        writeln!(generated, "    pub const FILE: usize = {index};").unwrap();
+        writeln!(generated, "    /// Push-constant block size in bytes, as reflected by slangc.").unwrap();
+        writeln!(generated, "    pub const PUSH_CONSTANT_BYTES: usize = {push_bytes};").unwrap();
+        for (entry_index, (name, _)) in entries.iter().enumerate() {
+            writeln!(
+                generated,
+                "    pub const {}: KernelRef = KernelRef {{ file: {index}, entry: {entry_index} }};",
+                name.to_uppercase()
+            )
+            .unwrap();
+        }
+        writeln!(generated, "}}").unwrap();
+
+        let entry_list: Vec<String> = entries
+            .iter()
+            .map(|(name, t)| format!("EntryPoint {{ name: \"{name}\", threads: [{}, {}, {}] }}", t[0], t[1], t[2]))
+            .collect();
+        let field_list: Vec<String> = fields.iter().map(|(n, o)| format!("(\"{n}\", {o})")).collect();
+        writeln!(
+            table,
+            "    KernelFile {{ name: \"{stem}\", spirv: include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.spv\")), \
+             cuda_source: include_str!(concat!(env!(\"OUT_DIR\"), \"/{stem}.cu\")), push_constant_bytes: {push_bytes}, \
+             push_constant_fields: &[{}], entry_points: &[{}] }},",
+            field_list.join(", "),
+            entry_list.join(", ")
+        )
+        .unwrap();
+    }
+    writeln!(generated, "/// Every kernel file, in file-name order.").unwrap();
+    writeln!(generated, "pub static KERNEL_FILES: &[KernelFile] = &[\n{table}];").unwrap();
+    writeln!(generated, "/// Hash of every compiled kernel (SPIR-V and CUDA source); keys the pipeline caches.").unwrap();
+    writeln!(generated, "pub const SHADER_SET_HASH: u64 = {:#018x};", set_hash.finish()).unwrap();
+    std::fs::write(out.join("kernels.rs"), generated).expect("write kernels.rs");
+}
+
+fn find_slangc(root: &Path) -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("SLANGC") {
+        return Some(PathBuf::from(path));
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("slangc");
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    let local = root.join(".tools/slang/slangtorch/bin/slangc");
+    local.is_file().then_some(local)
+}
+
+fn run_slangc(slangc: &Path, command: &mut Command, source: &Path) {
+    let output = command.output().unwrap_or_else(|e| panic!("cannot run {}: {e}. {SLANGC_HELP}", slangc.display()));
+    if !output.status.success() {
+        panic!(
+            "slangc failed on {}:\n{}{}",
+            source.display(),
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+}
+
+fn read_depfile(path: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let joined = text.replace("\\\n", " ");
+    joined
+        .split_once(':')
+        .map(|(_, deps)| deps.split_whitespace().map(PathBuf::from).collect())
+        .unwrap_or_default()
+}
+
+/// Debian 12's validation layer and spirv-tools reject OpSource's language operand 11 (Slang),
+/// which they do not know yet; 0 (Unknown) is accepted everywhere and changes nothing else.
+fn rewrite_opsource_language(bytes: &mut [u8]) {
+    const OP_SOURCE: u32 = 3;
+    let word = |b: &[u8], i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
+    let count = bytes.len() / 4;
+    let mut i = 5; // after the header
+    while i < count {
+        let instruction = word(bytes, i);
+        let length = (instruction >> 16) as usize;
+        if length == 0 {
+            break;
+        }
+        if instruction & 0xffff == OP_SOURCE && i + 1 < count && word(bytes, i + 1) == 11 {
+            bytes[4 * (i + 1)..4 * (i + 2)].copy_from_slice(&0u32.to_le_bytes());
+        }
+        i += length;
+    }
+}
+
+fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec<(String, u64)>) {
+    let parameters = reflection["parameters"].as_array().cloned().unwrap_or_default();
+    for parameter in parameters {
+        if parameter["binding"]["kind"] == "pushConstantBuffer" {
+            let element = &parameter["type"]["elementType"];
+            let size = element["sizes"]
+                .as_array()
+                .and_then(|s| s.iter().find(|x| x["kind"] == "uniform"))
+                .and_then(|x| x["value"].as_u64())
+                .unwrap_or_else(|| panic!("{stem}: reflection has no push-constant size"));
+            let fields = element["fields"]
+                .as_array()
+                .map(|fields| {
+                    fields
+                        .iter()
+                        .map(|f| {
+                            (
+                                f["name"].as_str().unwrap_or("?").to_string(),
+                                f["binding"]["offset"].as_u64().unwrap_or(u64::MAX),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            assert!(size <= 128, "{stem}: push constants are {size} bytes; the portable limit is 128");
+            return (size, fields);
+        }
+    }
+    (0, Vec::new())
+}
+
+fn entry_points(reflection: &serde_json::Value, stem: &str) -> Vec<(String, [u64; 3])> {
+    let entries = reflection["entryPoints"].as_array().unwrap_or_else(|| panic!("{stem}: no entry points"));
+    entries
+        .iter()
+        .map(|e| {
+            let name = e["name"].as_str().expect("entry name").to_string();
+            let t = e["threadGroupSize"].as_array().expect("threadGroupSize");
+            let threads = [t[0].as_u64().unwrap_or(1), t[1].as_u64().unwrap_or(1), t[2].as_u64().unwrap_or(1)];
+            (name, threads)
+        })
+        .collect()
+}
+
+struct Fnv64(u64);
+impl Fnv64 {
+    fn new() -> Self {
+        Fnv64(0xcbf2_9ce4_8422_2325)
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}

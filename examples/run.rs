@@ -1,0 +1,278 @@
+//! The headless runner: any op from and to `.safetensors` files, the device list, benchmarks, and
+//! the `make run` demo.
+//!
+//! ```text
+//! run op <OP> --backend <cpu|vulkan|cuda> --inputs IN.safetensors --output OUT.safetensors
+//! run devices
+//! run bench [--backend vulkan] [--ops a,b] [--repeats N]
+//! run demo [--backend vulkan]
+//! run ops
+//! ```
+//! Scalars travel in the safetensors header's `__metadata__`. Every refusal is one line on stderr
+//! and a non-zero exit; no output file is left behind.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Parser, Subcommand};
+use mamba_kernels::ops::{self, ExampleSize};
+use mamba_kernels::testing::{bitwise_equal, relative_error};
+use mamba_kernels::{BackendKind, Device, Scalars, Tensor, TensorMap};
+use safetensors::{Dtype, SafeTensors};
+
+#[derive(Parser)]
+#[command(name = "run", about = "Run mamba-kernels ops headlessly", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run one op on one backend, from and to safetensors files.
+    Op {
+        /// Op name, as in spec/ops.md (see `run ops`).
+        op: String,
+        #[arg(long, default_value = "vulkan")]
+        backend: String,
+        #[arg(long)]
+        inputs: PathBuf,
+        #[arg(long)]
+        output: PathBuf,
+    },
+    /// List backends and devices, with the reason for any that is absent.
+    Devices,
+    /// List the ops.
+    Ops,
+    /// Time ops on a GPU backend at the sizes the issues name, against the copy bandwidth.
+    Bench {
+        #[arg(long, default_value = "vulkan")]
+        backend: String,
+        /// Comma-separated op names; all ops when absent.
+        #[arg(long)]
+        ops: Option<String>,
+        /// Timed repetitions per op (after one warm-up).
+        #[arg(long, default_value_t = 20)]
+        repeats: usize,
+        /// Use the small CPU-device sizes even on a GPU.
+        #[arg(long)]
+        small: bool,
+    },
+    /// The main job of `make run`: a realistic Mamba-3 preprocess forward and backward on the
+    /// default device, checked against the CPU reference and for determinism.
+    Demo {
+        #[arg(long, default_value = "vulkan")]
+        backend: String,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Op { op, backend, inputs, output } => run_op(&op, &backend, &inputs, &output),
+        Command::Devices => devices(),
+        Command::Ops => {
+            for op in ops::OPS {
+                println!("{}", op.name());
+            }
+            Ok(())
+        }
+        Command::Bench { backend, ops, repeats, small } => bench(&backend, ops.as_deref(), repeats, small),
+        Command::Demo { backend } => demo(&backend),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            let text = format!("{error:#}").replace('\n', " ");
+            eprintln!("error: {text}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn open(backend: &str) -> Result<Device> {
+    let kind: BackendKind = backend.parse()?;
+    Ok(Device::open(kind)?)
+}
+
+/// Reads every tensor (all must be F32) and the string metadata.
+fn read_safetensors(path: &Path) -> Result<(TensorMap, Scalars)> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let (_, metadata) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: not a safetensors file: {e}", path.display()))?;
+    let scalars: Scalars = metadata
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .collect();
+    let file = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
+    let mut tensors = TensorMap::new();
+    for (name, view) in file.tensors() {
+        if view.dtype() != Dtype::F32 {
+            bail!("tensor `{name}`: dtype {:?}, expected F32", view.dtype());
+        }
+        let data: Vec<f32> =
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        tensors.insert(name.clone(), Tensor::new(view.shape().to_vec(), data)?);
+    }
+    Ok((tensors, scalars))
+}
+
+/// Writes to a temporary file beside `path`, then renames it into place.
+fn write_safetensors(path: &Path, tensors: &TensorMap, metadata: HashMap<String, String>) -> Result<()> {
+    let byte_data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, t)| (name.clone(), t.shape().to_vec(), t.data().iter().flat_map(|v| v.to_le_bytes()).collect()))
+        .collect();
+    let views = byte_data
+        .iter()
+        .map(|(name, shape, bytes)| Ok((name.clone(), safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)?)))
+        .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
+        .map_err(|e| anyhow!("{e}"))?;
+    let file_name = path.file_name().ok_or_else(|| anyhow!("{}: not a file path", path.display()))?;
+    let temporary = path.with_file_name(format!(".{}.{}.tmp", file_name.to_string_lossy(), std::process::id()));
+    let written = safetensors::serialize_to_file(views, Some(metadata), &temporary)
+        .map_err(|e| anyhow!("writing {}: {e}", temporary.display()))
+        .and_then(|_| std::fs::rename(&temporary, path).with_context(|| format!("renaming to {}", path.display())));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&temporary);
+    }
+    written
+}
+
+fn run_op(op: &str, backend: &str, inputs: &Path, output: &Path) -> Result<()> {
+    let op = ops::find(op)?;
+    let (tensors, scalars) = read_safetensors(inputs)?;
+    let device = open(backend)?;
+    let outputs = op.run(&device, &tensors, &scalars)?;
+    let mut metadata = HashMap::new();
+    metadata.insert("op".to_string(), op.name().to_string());
+    metadata.insert("backend".to_string(), device.kind().to_string());
+    metadata.insert("device".to_string(), device.description());
+    write_safetensors(output, &outputs, metadata)
+}
+
+fn devices() -> Result<()> {
+    println!("cpu: available: f64 reference");
+    #[cfg(feature = "vulkan")]
+    match mamba_kernels::backend::vulkan::list_devices() {
+        Ok(list) if list.is_empty() => println!("vulkan: absent: the loader found no devices"),
+        Ok(list) => {
+            let chosen = Device::open(BackendKind::Vulkan);
+            match &chosen {
+                Ok(device) => println!("vulkan: available: default device {}", device.description()),
+                Err(error) => println!("vulkan: absent: {error}"),
+            }
+            for d in list {
+                let status = if d.missing.is_empty() { "usable".to_string() } else { format!("lacks {}", d.missing.join(", ")) };
+                println!("  [{}] {} ({}, Vulkan {}, {}): {status}", d.index, d.name, d.kind, d.api_version, d.driver);
+            }
+        }
+        Err(error) => println!("vulkan: absent: {error}"),
+    }
+    #[cfg(not(feature = "vulkan"))]
+    println!("vulkan: absent: built without the `vulkan` feature");
+    match Device::open(BackendKind::Cuda) {
+        Ok(device) => println!("cuda: available: {}", device.description()),
+        Err(error) => println!("cuda: absent: {error}"),
+    }
+    Ok(())
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(|a, b| a.total_cmp(b));
+    values[values.len() / 2]
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second): the ceiling of memory-bound ops.
+fn copy_bandwidth(gpu: &dyn mamba_kernels::gpu::Gpu, repeats: usize) -> Result<f64> {
+    let bytes = if gpu.is_cpu() { 64u64 << 20 } else { 1u64 << 30 }.min(gpu.max_buffer_bytes() / 2);
+    let elements = (bytes / 4) as usize;
+    let source = gpu.alloc(elements)?;
+    let target = gpu.alloc(elements)?;
+    gpu.upload(&source, &vec![1.0f32; elements])?;
+    gpu.time_copy(&source, &target, 2)?;
+    let mut times = gpu.time_copy(&source, &target, repeats)?;
+    Ok(2.0 * bytes as f64 / median(&mut times))
+}
+
+fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Result<()> {
+    let device = open(backend)?;
+    let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
+    let size = if small || gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
+    let selected: Vec<&dyn ops::Op> = match names {
+        None => ops::OPS.to_vec(),
+        Some(list) => list.split(',').map(|n| ops::find(n.trim())).collect::<Result<_, _>>()?,
+    };
+    let copy = copy_bandwidth(gpu, repeats)?;
+    println!("device: {}", device.description());
+    println!("copy bandwidth (read+write): {:.1} GB/s; sizes: {size:?}; median of {repeats} runs", copy / 1e9);
+    println!();
+    println!("| op | time (µs) | traffic (MB) | GB/s | % of copy | GFLOP/s |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    for op in selected {
+        let (inputs, scalars) = op.example(size, 1);
+        let prepared = op.prepare(gpu, &inputs, &scalars)?;
+        gpu.time(&prepared.recorded.dispatches, 2)?;
+        let mut times = gpu.time(&prepared.recorded.dispatches, repeats)?;
+        let seconds = median(&mut times);
+        let rate = prepared.traffic_bytes as f64 / seconds;
+        let flops = if prepared.flops > 0 { format!("{:.0}", prepared.flops as f64 / seconds / 1e9) } else { "-".into() };
+        println!(
+            "| {} | {:.1} | {:.1} | {:.0} | {:.0}% | {} |",
+            op.name(),
+            seconds * 1e6,
+            prepared.traffic_bytes as f64 / 1e6,
+            rate / 1e9,
+            100.0 * rate / copy,
+            flops
+        );
+    }
+    Ok(())
+}
+
+fn demo(backend: &str) -> Result<()> {
+    let device = open(backend)?;
+    let gpu = device.gpu().ok_or_else(|| anyhow!("the demo runs on a GPU backend (vulkan or cuda)"))?;
+    let size = if gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
+    println!("device: {}", device.description());
+    let cpu = Device::cpu();
+    for name in ["mamba3_preprocess_fwd", "mamba3_preprocess_bwd"] {
+        let op = ops::find(name)?;
+        let (inputs, scalars) = op.example(size, 2026);
+        let prepared = op.prepare(gpu, &inputs, &scalars)?;
+        gpu.time(&prepared.recorded.dispatches, 1)?;
+        let mut times = gpu.time(&prepared.recorded.dispatches, 10)?;
+        let seconds = median(&mut times);
+        let started = Instant::now();
+        let reference = op.run(&cpu, &inputs, &scalars)?;
+        let reference_seconds = started.elapsed().as_secs_f64();
+        let first = op.run(&device, &inputs, &scalars)?;
+        let repeats_equal = (0..2).all(|_| match op.run(&device, &inputs, &scalars) {
+            Ok(again) => first.iter().all(|(k, v)| bitwise_equal(v, &again[k])),
+            Err(_) => false,
+        });
+        let rows = inputs["projected"].shape()[0];
+        println!(
+            "{name}: rows {rows}, GPU {:.1} µs ({:.0} GB/s), CPU reference {:.2} s, bitwise repeatable over 3 runs: {}",
+            seconds * 1e6,
+            prepared.traffic_bytes as f64 / seconds / 1e9,
+            reference_seconds,
+            if repeats_equal { "yes" } else { "NO" }
+        );
+        let mut worst: f64 = 0.0;
+        for (output, want) in &reference {
+            let error = relative_error(&first[output], want);
+            worst = worst.max(error);
+            println!("  {output:<16} {:?}  error vs reference {error:.2e}", want.shape());
+        }
+        if !repeats_equal || worst > 3e-4 {
+            bail!("{name}: results are not repeatable or not within tolerance");
+        }
+    }
+    Ok(())
+}

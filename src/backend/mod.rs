@@ -1,0 +1,127 @@
+//! Backends: the f64 CPU reference, Vulkan, and (with the `cuda` feature) CUDA. A [`Device`] is
+//! what callers hold; ops ask it for its GPU, or run the reference when it has none.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::gpu::Gpu;
+
+#[cfg(feature = "vulkan")]
+pub mod vulkan;
+
+/// Which backend runs an op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BackendKind {
+    /// The f64 reference (the specification).
+    Cpu,
+    Vulkan,
+    Cuda,
+}
+
+impl BackendKind {
+    pub const ALL: [BackendKind; 3] = [BackendKind::Cpu, BackendKind::Vulkan, BackendKind::Cuda];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::Cpu => "cpu",
+            BackendKind::Vulkan => "vulkan",
+            BackendKind::Cuda => "cuda",
+        }
+    }
+}
+
+impl fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for BackendKind {
+    type Err = Error;
+    fn from_str(text: &str) -> Result<Self> {
+        match text {
+            "cpu" => Ok(BackendKind::Cpu),
+            "vulkan" => Ok(BackendKind::Vulkan),
+            "cuda" => Ok(BackendKind::Cuda),
+            other => Err(Error::DeviceUnavailable {
+                backend: "unknown",
+                reason: format!("unknown backend {other:?}; expected cpu, vulkan or cuda"),
+            }),
+        }
+    }
+}
+
+/// An opened backend.
+#[derive(Clone)]
+pub struct Device {
+    kind: BackendKind,
+    gpu: Option<Arc<dyn Gpu>>,
+    #[cfg(feature = "vulkan")]
+    vulkan: Option<Arc<vulkan::VulkanGpu>>,
+}
+
+impl Device {
+    /// The f64 CPU reference.
+    pub fn cpu() -> Self {
+        Device {
+            kind: BackendKind::Cpu,
+            gpu: None,
+            #[cfg(feature = "vulkan")]
+            vulkan: None,
+        }
+    }
+
+    /// Opens a backend: for Vulkan the device `MAMBA_VK_DEVICE` names or the best one found.
+    pub fn open(kind: BackendKind) -> Result<Self> {
+        match kind {
+            BackendKind::Cpu => Ok(Device::cpu()),
+            BackendKind::Vulkan => Self::vulkan(),
+            BackendKind::Cuda => Err(Error::DeviceUnavailable {
+                backend: "cuda",
+                reason: "this build has no CUDA backend (build with `--features cuda`)".into(),
+            }),
+        }
+    }
+
+    #[cfg(feature = "vulkan")]
+    fn vulkan() -> Result<Self> {
+        let gpu = Arc::new(vulkan::VulkanGpu::new()?);
+        Ok(Device { kind: BackendKind::Vulkan, gpu: Some(gpu.clone() as Arc<dyn Gpu>), vulkan: Some(gpu) })
+    }
+
+    #[cfg(not(feature = "vulkan"))]
+    fn vulkan() -> Result<Self> {
+        Err(Error::DeviceUnavailable { backend: "vulkan", reason: "this build has no Vulkan backend".into() })
+    }
+
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// The GPU behind this device; `None` for the CPU reference.
+    pub fn gpu(&self) -> Option<&dyn Gpu> {
+        self.gpu.as_deref()
+    }
+
+    /// The Vulkan backend itself, for its extras (validation messages, pipeline-cache path).
+    #[cfg(feature = "vulkan")]
+    pub fn vulkan_backend(&self) -> Option<&vulkan::VulkanGpu> {
+        self.vulkan.as_deref()
+    }
+
+    /// The device in words.
+    pub fn description(&self) -> String {
+        match &self.gpu {
+            None => "CPU reference (f64)".to_string(),
+            Some(gpu) => gpu.device_name(),
+        }
+    }
+}
+
+impl fmt::Debug for Device {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Device({}: {})", self.kind, self.description())
+    }
+}

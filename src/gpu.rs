@@ -1,0 +1,166 @@
+//! The small interface every GPU backend implements (allocate, upload, download, dispatch,
+//! synchronise, time), and the dispatch description the ops build. Ops never see Vulkan or CUDA.
+
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::kernels::{KernelRef, KERNEL_FILES};
+
+/// Workgroups along x of a large 1-D grid; `shaders/common/grid.slang` must agree.
+pub const GRID_X: u32 = 32768;
+
+/// The largest push-constant block a kernel may use: the portable Vulkan minimum.
+pub const MAX_PUSH_CONSTANT_BYTES: usize = 128;
+
+/// The slot value that marks an optional tensor as absent (`NO_BUFFER` in storage.slang).
+pub const NO_BUFFER: u32 = u32::MAX;
+
+/// A GPU backend. Every method is synchronous from the caller's point of view.
+pub trait Gpu: Send + Sync {
+    /// `"vulkan"` or `"cuda"`.
+    fn backend(&self) -> &'static str;
+    /// The device in words (name, driver, API version).
+    fn device_name(&self) -> String;
+    /// Whether the device is a CPU implementation (lavapipe): benchmarks and demos size down.
+    fn is_cpu(&self) -> bool {
+        false
+    }
+    /// The largest buffer, in bytes, that kernels may address on this device.
+    fn max_buffer_bytes(&self) -> u64;
+    /// A buffer of `elements` f32 values; its contents are undefined until written.
+    fn alloc(&self, elements: usize) -> Result<GpuBuffer>;
+    fn upload(&self, buffer: &GpuBuffer, data: &[f32]) -> Result<()>;
+    fn download(&self, buffer: &GpuBuffer) -> Result<Vec<f32>>;
+    /// Runs the dispatches in order, each seeing every write of those before it, and waits.
+    fn run(&self, dispatches: &[Dispatch]) -> Result<()>;
+    /// Runs the dispatches `repeats` times in one submission; returns the GPU seconds of each repetition.
+    fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>>;
+    /// Times `repeats` device-to-device copies of `source` into `target` (the bandwidth ceiling).
+    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>>;
+}
+
+/// Frees a buffer slot when its [`GpuBuffer`] is dropped.
+pub(crate) trait SlotOwner: Send + Sync {
+    fn release(&self, slot: u32);
+}
+
+/// A device buffer of f32 values. Kernels see it through its slot in the bindless buffer array.
+pub struct GpuBuffer {
+    slot: u32,
+    elements: usize,
+    owner: Arc<dyn SlotOwner>,
+}
+
+impl GpuBuffer {
+    pub(crate) fn new(slot: u32, elements: usize, owner: Arc<dyn SlotOwner>) -> Self {
+        GpuBuffer { slot, elements, owner }
+    }
+
+    /// The index kernels use to reach this buffer.
+    pub fn slot(&self) -> u32 {
+        self.slot
+    }
+
+    pub fn elements(&self) -> usize {
+        self.elements
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.elements as u64 * 4
+    }
+}
+
+impl std::fmt::Debug for GpuBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "GpuBuffer(slot {}, {} f32)", self.slot, self.elements)
+    }
+}
+
+impl Drop for GpuBuffer {
+    fn drop(&mut self) {
+        self.owner.release(self.slot);
+    }
+}
+
+/// A `#[repr(C)]` push-constant block whose field list can be checked against Slang's reflection.
+pub trait PushConstants: bytemuck::Pod {
+    /// (field name, byte offset) in declaration order.
+    const FIELDS: &'static [(&'static str, usize)];
+}
+
+/// Declares a push-constant struct: `#[repr(C)]`, `Pod`, and a field list for the reflection check.
+#[macro_export]
+macro_rules! push_constants {
+    ($(#[$meta:meta])* $vis:vis struct $name:ident { $($(#[$fmeta:meta])* $field:ident : $ty:ty),* $(,)? }) => {
+        $(#[$meta])*
+        #[repr(C)]
+        #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+        $vis struct $name { $($(#[$fmeta])* pub $field: $ty),* }
+        impl $crate::gpu::PushConstants for $name {
+            const FIELDS: &'static [(&'static str, usize)] =
+                &[$((stringify!($field), ::core::mem::offset_of!($name, $field))),*];
+        }
+    };
+}
+
+/// Checks a push-constant struct against the reflected layout of a kernel file.
+pub fn check_push_layout<P: PushConstants>(file: usize) -> Result<()> {
+    let kernel = &KERNEL_FILES[file];
+    let size = std::mem::size_of::<P>();
+    if size != kernel.push_constant_bytes || P::FIELDS != kernel.push_constant_fields {
+        return Err(Error::Dispatch(format!(
+            "push constants of `{}`: Rust declares {} bytes {:?}, Slang reflects {} bytes {:?}",
+            kernel.name,
+            size,
+            P::FIELDS,
+            kernel.push_constant_bytes,
+            kernel.push_constant_fields
+        )));
+    }
+    Ok(())
+}
+
+/// One kernel launch: an entry point, a grid of workgroups and the push-constant bytes.
+#[derive(Clone, Debug)]
+pub struct Dispatch {
+    pub kernel: KernelRef,
+    pub groups: [u32; 3],
+    push: [u8; MAX_PUSH_CONSTANT_BYTES],
+    push_len: usize,
+}
+
+impl Dispatch {
+    /// A launch of `groups` workgroups. The push struct's size must match the kernel file's reflection.
+    pub fn new<P: PushConstants>(kernel: KernelRef, groups: [u32; 3], push: &P) -> Result<Self> {
+        let bytes = bytemuck::bytes_of(push);
+        let file = kernel.file();
+        if bytes.len() != file.push_constant_bytes || bytes.len() > MAX_PUSH_CONSTANT_BYTES {
+            return Err(Error::Dispatch(format!(
+                "{}: push constants are {} bytes, the kernel expects {}",
+                kernel.label(),
+                bytes.len(),
+                file.push_constant_bytes
+            )));
+        }
+        let mut data = [0u8; MAX_PUSH_CONSTANT_BYTES];
+        data[..bytes.len()].copy_from_slice(bytes);
+        Ok(Dispatch { kernel, groups, push: data, push_len: bytes.len() })
+    }
+
+    /// A 1-D grid of `workgroups` workgroups, laid out as (GRID_X, ceil(workgroups / GRID_X)); the
+    /// kernel recovers the linear index with `linear_group` and skips indices past its work.
+    pub fn linear<P: PushConstants>(kernel: KernelRef, workgroups: u64, push: &P) -> Result<Self> {
+        let workgroups = workgroups.max(1);
+        let x = workgroups.min(u64::from(GRID_X)) as u32;
+        let y = workgroups.div_ceil(u64::from(GRID_X));
+        if y > 65535 {
+            return Err(Error::Dispatch(format!("{}: {workgroups} workgroups exceed the grid limit", kernel.label())));
+        }
+        Dispatch::new(kernel, [x, y as u32, 1], push)
+    }
+
+    /// The push-constant bytes.
+    pub fn push_bytes(&self) -> &[u8] {
+        &self.push[..self.push_len]
+    }
+}
