@@ -1,0 +1,25 @@
+# Two commands: `make run` (the main job on the default device) and `make test` (the whole suite).
+# Both install what is missing first (scripts/setup.sh is idempotent).
+
+CARGO ?= cargo
+# The Vulkan suite must run, with the validation layer on: a missing device is a failure.
+TEST_ENV := MAMBA_VK_VALIDATION=1 MAMBA_REQUIRE_VULKAN=1
+
+.PHONY: all setup run test bench build-gpu clean
+
+all: test
+
+setup:
+	@./scripts/setup.sh
+
+run: setup
+	$(CARGO) run --release --example run -- demo
+
+test: setup
+	$(TEST_ENV) $(CARGO) test --release -- --show-output
+
+bench: setup
+	$(CARGO) run --release --example run -- bench
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,158 @@
+//! RMSNorm forward and backward against the reference on every backend.
+
+mod common;
+
+use common::{
+    assert_deterministic, assert_refused, check_against_reference, FORWARD, GRADIENT,
+    PARAMETER_GRADIENT,
+};
+use mamba_kernels::ops::rmsnorm::example_inputs;
+use mamba_kernels::{Device, Tensor};
+
+/// Every value of the matrix appears: rows {1, 7, 256, 1000}; widths {16, 64, 128, 300}
+/// plus widths past one lane stride (1536, 4100); weight on and off.
+const CASES: &[(usize, usize, bool)] = &[
+    (1, 16, true),
+    (7, 64, false),
+    (256, 128, true),
+    (1000, 300, true),
+    (7, 1536, false),
+    (3, 4100, true),
+    (1000, 16, false),
+];
+
+fn tolerance(name: &str) -> f64 {
+    match name {
+        "y" | "rstd" => FORWARD,
+        "dweight" => PARAMETER_GRADIENT,
+        _ => GRADIENT,
+    }
+}
+
+fn forward_and_backward_match_reference(device: &Device) {
+    for (i, &(rows, n, weight)) in CASES.iter().enumerate() {
+        let case = format!("rows {rows} n {n} weight {weight}");
+        let (inputs, scalars) = example_inputs(rows, n, weight, false, i as u64);
+        check_against_reference(device, "rmsnorm_fwd", &inputs, &scalars, &tolerance, &case);
+        let (inputs, scalars) = example_inputs(rows, n, weight, true, i as u64);
+        check_against_reference(device, "rmsnorm_bwd", &inputs, &scalars, &tolerance, &case);
+    }
+}
+
+fn bitwise_deterministic(device: &Device) {
+    let (inputs, scalars) = example_inputs(1000, 300, true, true, 5);
+    assert_deterministic(device, "rmsnorm_bwd", &inputs, &scalars, 5);
+    let (inputs, scalars) = example_inputs(1000, 300, true, false, 5);
+    assert_deterministic(device, "rmsnorm_fwd", &inputs, &scalars, 5);
+}
+
+fn bad_input_is_refused(device: &Device) {
+    let (inputs, scalars) = example_inputs(4, 8, true, true, 1);
+    let mut missing = inputs.clone();
+    missing.remove("dy");
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &missing,
+        &scalars,
+        &["rmsnorm_bwd", "`dy`", "missing"],
+    );
+    let mut misshaped = inputs.clone();
+    misshaped.insert("weight".into(), Tensor::zeros(vec![9]));
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &misshaped,
+        &scalars,
+        &["`weight`", "[8]", "[9]"],
+    );
+    let mut wrong_rank = inputs.clone();
+    wrong_rank.insert("x".into(), Tensor::zeros(vec![32]));
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &wrong_rank,
+        &scalars,
+        &["`x`", "rank 2"],
+    );
+    let mut unknown = inputs.clone();
+    unknown.insert("bias".into(), Tensor::zeros(vec![8]));
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &unknown,
+        &scalars,
+        &["`bias`", "not an input"],
+    );
+    let mut zero = inputs.clone();
+    zero.insert("x".into(), Tensor::zeros(vec![0, 8]));
+    assert_refused(device, "rmsnorm_fwd", &zero, &scalars, &["`x`", "zero"]);
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &inputs,
+        &scalars.clone().with("eps", "nan"),
+        &["`eps`", "finite"],
+    );
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &inputs,
+        &scalars.clone().with("epsilon", "1e-5"),
+        &["`epsilon`", "not a scalar"],
+    );
+    assert_refused(
+        device,
+        "rmsnorm_bwd",
+        &inputs,
+        &scalars.clone().with("eps", "tiny"),
+        &["`eps`", "number"],
+    );
+    assert_refused(
+        device,
+        "no_such_op",
+        &inputs,
+        &scalars,
+        &["unknown op", "rmsnorm_fwd"],
+    );
+}
+
+/// A tensor past the device's storage-buffer limit (128 MiB on lavapipe) is refused with an error
+/// naming it, or, where the device allows it, computed correctly: never silently truncated.
+fn oversized_tensor_is_refused_or_correct(device: &Device) {
+    let Some(gpu) = device.gpu() else { return };
+    let limit = gpu.max_buffer_bytes();
+    if limit > 1 << 31 {
+        eprintln!(
+            "skipped: {} allows {limit}-byte buffers; the oversize case would need > 2 GiB",
+            device.kind()
+        );
+        return;
+    }
+    let n = (limit / 4) as usize + 64;
+    let x = Tensor::from_fn(vec![1, n], |i| ((i % 7) as f32) - 3.0);
+    let mut inputs = mamba_kernels::TensorMap::new();
+    inputs.insert("x".into(), x);
+    let scalars = mamba_kernels::Scalars::new();
+    match mamba_kernels::ops::run(device, "rmsnorm_fwd", &inputs, &scalars) {
+        Err(error) => {
+            let text = error.to_string();
+            assert!(
+                text.contains("`x`") && text.contains("bytes"),
+                "unclear refusal: {text}"
+            );
+        }
+        Ok(outputs) => {
+            let want =
+                mamba_kernels::ops::run(&Device::cpu(), "rmsnorm_fwd", &inputs, &scalars).unwrap();
+            assert!(mamba_kernels::testing::relative_error(&outputs["y"], &want["y"]) <= FORWARD);
+        }
+    }
+}
+
+backend_tests!(
+    forward_and_backward_match_reference,
+    bitwise_deterministic,
+    bad_input_is_refused,
+    oversized_tensor_is_refused_or_correct
+);
