@@ -7,13 +7,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const SLANGC_HELP: &str =
-    "slangc not found. Run `make setup` (installs the PyPI wheel `slangtorch` \
+const SLANGC_HELP: &str = "slangc not found. Run `make setup` (installs the PyPI wheel `slangtorch` \
 with --no-deps into .tools/slang), or set SLANGC to a slangc binary, or put slangc on PATH.";
 
 fn main() {
-    let root =
-        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     println!("cargo:rerun-if-env-changed=SLANGC");
     println!("cargo:rerun-if-changed=shaders");
@@ -34,11 +32,7 @@ fn main() {
     let mut table = String::new();
     let mut set_hash = Fnv64::new();
     for (index, source) in files.iter().enumerate() {
-        let stem = source
-            .file_stem()
-            .and_then(|s| s.to_str())
-            .expect("utf-8 kernel file name")
-            .to_string();
+        let stem = source.file_stem().and_then(|s| s.to_str()).expect("utf-8 kernel file name").to_string();
         println!("cargo:rerun-if-changed={}", source.display());
         let spv = out.join(format!("{stem}.spv"));
         let json = out.join(format!("{stem}.json"));
@@ -48,14 +42,7 @@ fn main() {
             &slangc,
             Command::new(&slangc)
                 .arg(source)
-                .args([
-                    "-target",
-                    "spirv",
-                    "-profile",
-                    "spirv_1_5",
-                    "-fvk-use-entrypoint-name",
-                    "-O0",
-                ])
+                .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
                 .args(["-warnings-disable", "41012"])
                 .arg("-I")
                 .arg(&common_dir)
@@ -101,16 +88,8 @@ fn main() {
         writeln!(generated, "    use super::*;").unwrap();
         writeln!(generated, "    /// Index of this file in [`KERNEL_FILES`].").unwrap();
         writeln!(generated, "    pub const FILE: usize = {index};").unwrap();
-        writeln!(
-            generated,
-            "    /// Push-constant block size in bytes, as reflected by slangc."
-        )
-        .unwrap();
-        writeln!(
-            generated,
-            "    pub const PUSH_CONSTANT_BYTES: usize = {push_bytes};"
-        )
-        .unwrap();
+        writeln!(generated, "    /// Push-constant block size in bytes, as reflected by slangc.").unwrap();
+        writeln!(generated, "    pub const PUSH_CONSTANT_BYTES: usize = {push_bytes};").unwrap();
         for (entry_index, (name, _)) in entries.iter().enumerate() {
             writeln!(
                 generated,
@@ -123,17 +102,9 @@ fn main() {
 
         let entry_list: Vec<String> = entries
             .iter()
-            .map(|(name, t)| {
-                format!(
-                    "EntryPoint {{ name: \"{name}\", threads: [{}, {}, {}] }}",
-                    t[0], t[1], t[2]
-                )
-            })
+            .map(|(name, t)| format!("EntryPoint {{ name: \"{name}\", threads: [{}, {}, {}] }}", t[0], t[1], t[2]))
             .collect();
-        let field_list: Vec<String> = fields
-            .iter()
-            .map(|(n, o)| format!("(\"{n}\", {o})"))
-            .collect();
+        let field_list: Vec<String> = fields.iter().map(|(n, o)| format!("(\"{n}\", {o})")).collect();
         writeln!(
             table,
             "    KernelFile {{ name: \"{stem}\", spirv: include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.spv\")), \
@@ -145,22 +116,10 @@ fn main() {
         .unwrap();
     }
     writeln!(generated, "/// Every kernel file, in file-name order.").unwrap();
-    writeln!(
-        generated,
-        "pub static KERNEL_FILES: &[KernelFile] = &[\n{table}];"
-    )
-    .unwrap();
-    writeln!(
-        generated,
-        "/// Hash of every compiled kernel (SPIR-V and CUDA source); keys the pipeline caches."
-    )
-    .unwrap();
-    writeln!(
-        generated,
-        "pub const SHADER_SET_HASH: u64 = {:#018x};",
-        set_hash.finish()
-    )
-    .unwrap();
+    writeln!(generated, "pub static KERNEL_FILES: &[KernelFile] = &[\n{table}];").unwrap();
+    writeln!(generated, "/// Hash of every compiled kernel (SPIR-V and CUDA source); keys the pipeline caches.")
+        .unwrap();
+    writeln!(generated, "pub const SHADER_SET_HASH: u64 = {:#018x};", set_hash.finish()).unwrap();
     std::fs::write(out.join("kernels.rs"), generated).expect("write kernels.rs");
 }
 
@@ -181,9 +140,7 @@ fn find_slangc(root: &Path) -> Option<PathBuf> {
 }
 
 fn run_slangc(slangc: &Path, command: &mut Command, source: &Path) {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}. {SLANGC_HELP}", slangc.display()));
+    let output = command.output().unwrap_or_else(|e| panic!("cannot run {}: {e}. {SLANGC_HELP}", slangc.display()));
     if !output.status.success() {
         panic!(
             "slangc failed on {}:\n{}{}",
@@ -197,19 +154,14 @@ fn run_slangc(slangc: &Path, command: &mut Command, source: &Path) {
 fn read_depfile(path: &Path) -> Vec<PathBuf> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let joined = text.replace("\\\n", " ");
-    joined
-        .split_once(':')
-        .map(|(_, deps)| deps.split_whitespace().map(PathBuf::from).collect())
-        .unwrap_or_default()
+    joined.split_once(':').map(|(_, deps)| deps.split_whitespace().map(PathBuf::from).collect()).unwrap_or_default()
 }
 
 /// Debian 12's validation layer and spirv-tools reject OpSource's language operand 11 (Slang),
 /// which they do not know yet; 0 (Unknown) is accepted everywhere and changes nothing else.
 fn rewrite_opsource_language(bytes: &mut [u8]) {
     const OP_SOURCE: u32 = 3;
-    let word = |b: &[u8], i: usize| {
-        u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]])
-    };
+    let word = |b: &[u8], i: usize| u32::from_le_bytes([b[4 * i], b[4 * i + 1], b[4 * i + 2], b[4 * i + 3]]);
     let count = bytes.len() / 4;
     let mut i = 5; // after the header
     while i < count {
@@ -226,10 +178,7 @@ fn rewrite_opsource_language(bytes: &mut [u8]) {
 }
 
 fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec<(String, u64)>) {
-    let parameters = reflection["parameters"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
+    let parameters = reflection["parameters"].as_array().cloned().unwrap_or_default();
     for parameter in parameters {
         if parameter["binding"]["kind"] == "pushConstantBuffer" {
             let element = &parameter["type"]["elementType"];
@@ -252,10 +201,7 @@ fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec
                         .collect()
                 })
                 .unwrap_or_default();
-            assert!(
-                size <= 128,
-                "{stem}: push constants are {size} bytes; the portable limit is 128"
-            );
+            assert!(size <= 128, "{stem}: push constants are {size} bytes; the portable limit is 128");
             return (size, fields);
         }
     }
@@ -263,19 +209,13 @@ fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec
 }
 
 fn entry_points(reflection: &serde_json::Value, stem: &str) -> Vec<(String, [u64; 3])> {
-    let entries = reflection["entryPoints"]
-        .as_array()
-        .unwrap_or_else(|| panic!("{stem}: no entry points"));
+    let entries = reflection["entryPoints"].as_array().unwrap_or_else(|| panic!("{stem}: no entry points"));
     entries
         .iter()
         .map(|e| {
             let name = e["name"].as_str().expect("entry name").to_string();
             let t = e["threadGroupSize"].as_array().expect("threadGroupSize");
-            let threads = [
-                t[0].as_u64().unwrap_or(1),
-                t[1].as_u64().unwrap_or(1),
-                t[2].as_u64().unwrap_or(1),
-            ];
+            let threads = [t[0].as_u64().unwrap_or(1), t[1].as_u64().unwrap_or(1), t[2].as_u64().unwrap_or(1)];
             (name, threads)
         })
         .collect()

@@ -72,12 +72,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
-        Command::Op {
-            op,
-            backend,
-            inputs,
-            output,
-        } => run_op(&op, &backend, &inputs, &output),
+        Command::Op { op, backend, inputs, output } => run_op(&op, &backend, &inputs, &output),
         Command::Devices => devices(),
         Command::Ops => {
             for op in ops::OPS {
@@ -85,12 +80,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Command::Bench {
-            backend,
-            ops,
-            repeats,
-            small,
-        } => bench(&backend, ops.as_deref(), repeats, small),
+        Command::Bench { backend, ops, repeats, small } => bench(&backend, ops.as_deref(), repeats, small),
         Command::Demo { backend } => demo(&backend),
     };
     match result {
@@ -111,70 +101,40 @@ fn open(backend: &str) -> Result<Device> {
 /// Reads every tensor (all must be F32) and the string metadata.
 fn read_safetensors(path: &Path) -> Result<(TensorMap, Scalars)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let (_, metadata) = SafeTensors::read_metadata(&bytes)
-        .map_err(|e| anyhow!("{}: not a safetensors file: {e}", path.display()))?;
-    let scalars: Scalars = metadata
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .collect();
+    let (_, metadata) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| anyhow!("{}: not a safetensors file: {e}", path.display()))?;
+    let scalars: Scalars = metadata.metadata().clone().unwrap_or_default().into_iter().collect();
     let file = SafeTensors::deserialize(&bytes).map_err(|e| anyhow!("{}: {e}", path.display()))?;
     let mut tensors = TensorMap::new();
     for (name, view) in file.tensors() {
         if view.dtype() != Dtype::F32 {
             bail!("tensor `{name}`: dtype {:?}, expected F32", view.dtype());
         }
-        let data: Vec<f32> = view
-            .data()
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect();
+        let data: Vec<f32> =
+            view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         tensors.insert(name.clone(), Tensor::new(view.shape().to_vec(), data)?);
     }
     Ok((tensors, scalars))
 }
 
 /// Writes to a temporary file beside `path`, then renames it into place.
-fn write_safetensors(
-    path: &Path,
-    tensors: &TensorMap,
-    metadata: HashMap<String, String>,
-) -> Result<()> {
+fn write_safetensors(path: &Path, tensors: &TensorMap, metadata: HashMap<String, String>) -> Result<()> {
     let byte_data: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
-        .map(|(name, t)| {
-            (
-                name.clone(),
-                t.shape().to_vec(),
-                t.data().iter().flat_map(|v| v.to_le_bytes()).collect(),
-            )
-        })
+        .map(|(name, t)| (name.clone(), t.shape().to_vec(), t.data().iter().flat_map(|v| v.to_le_bytes()).collect()))
         .collect();
     let views = byte_data
         .iter()
         .map(|(name, shape, bytes)| {
-            Ok((
-                name.clone(),
-                safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)?,
-            ))
+            Ok((name.clone(), safetensors::tensor::TensorView::new(Dtype::F32, shape.clone(), bytes)?))
         })
         .collect::<Result<Vec<_>, safetensors::SafeTensorError>>()
         .map_err(|e| anyhow!("{e}"))?;
-    let file_name = path
-        .file_name()
-        .ok_or_else(|| anyhow!("{}: not a file path", path.display()))?;
-    let temporary = path.with_file_name(format!(
-        ".{}.{}.tmp",
-        file_name.to_string_lossy(),
-        std::process::id()
-    ));
+    let file_name = path.file_name().ok_or_else(|| anyhow!("{}: not a file path", path.display()))?;
+    let temporary = path.with_file_name(format!(".{}.{}.tmp", file_name.to_string_lossy(), std::process::id()));
     let written = safetensors::serialize_to_file(views, Some(metadata), &temporary)
         .map_err(|e| anyhow!("writing {}: {e}", temporary.display()))
-        .and_then(|_| {
-            std::fs::rename(&temporary, path)
-                .with_context(|| format!("renaming to {}", path.display()))
-        });
+        .and_then(|_| std::fs::rename(&temporary, path).with_context(|| format!("renaming to {}", path.display())));
     if written.is_err() {
         let _ = std::fs::remove_file(&temporary);
     }
@@ -207,15 +167,9 @@ fn devices() -> Result<()> {
                 Err(error) => println!("vulkan: absent: {error}"),
             }
             for d in list {
-                let status = if d.missing.is_empty() {
-                    "usable".to_string()
-                } else {
-                    format!("lacks {}", d.missing.join(", "))
-                };
-                println!(
-                    "  [{}] {} ({}, Vulkan {}, {}): {status}",
-                    d.index, d.name, d.kind, d.api_version, d.driver
-                );
+                let status =
+                    if d.missing.is_empty() { "usable".to_string() } else { format!("lacks {}", d.missing.join(", ")) };
+                println!("  [{}] {} ({}, Vulkan {}, {}): {status}", d.index, d.name, d.kind, d.api_version, d.driver);
             }
         }
         Err(error) => println!("vulkan: absent: {error}"),
@@ -236,12 +190,7 @@ fn median(values: &mut [f64]) -> f64 {
 
 /// Device-to-device copy bandwidth (bytes read + written per second): the ceiling of memory-bound ops.
 fn copy_bandwidth(gpu: &dyn mamba_kernels::gpu::Gpu, repeats: usize) -> Result<f64> {
-    let bytes = if gpu.is_cpu() {
-        64u64 << 20
-    } else {
-        1u64 << 30
-    }
-    .min(gpu.max_buffer_bytes() / 2);
+    let bytes = if gpu.is_cpu() { 64u64 << 20 } else { 1u64 << 30 }.min(gpu.max_buffer_bytes() / 2);
     let elements = (bytes / 4) as usize;
     let source = gpu.alloc(elements)?;
     let target = gpu.alloc(elements)?;
@@ -253,27 +202,15 @@ fn copy_bandwidth(gpu: &dyn mamba_kernels::gpu::Gpu, repeats: usize) -> Result<f
 
 fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Result<()> {
     let device = open(backend)?;
-    let gpu = device
-        .gpu()
-        .ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
-    let size = if small || gpu.is_cpu() {
-        ExampleSize::CpuDevice
-    } else {
-        ExampleSize::Gpu
-    };
+    let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
+    let size = if small || gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
     let selected: Vec<&dyn ops::Op> = match names {
         None => ops::OPS.to_vec(),
-        Some(list) => list
-            .split(',')
-            .map(|n| ops::find(n.trim()))
-            .collect::<Result<_, _>>()?,
+        Some(list) => list.split(',').map(|n| ops::find(n.trim())).collect::<Result<_, _>>()?,
     };
     let copy = copy_bandwidth(gpu, repeats)?;
     println!("device: {}", device.description());
-    println!(
-        "copy bandwidth (read+write): {:.1} GB/s; sizes: {size:?}; median of {repeats} runs",
-        copy / 1e9
-    );
+    println!("copy bandwidth (read+write): {:.1} GB/s; sizes: {size:?}; median of {repeats} runs", copy / 1e9);
     println!();
     println!("| op | time (µs) | traffic (MB) | GB/s | % of copy | GFLOP/s |");
     println!("|---|---:|---:|---:|---:|---:|");
@@ -284,11 +221,8 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Res
         let mut times = gpu.time(&prepared.recorded.dispatches, repeats)?;
         let seconds = median(&mut times);
         let rate = prepared.traffic_bytes as f64 / seconds;
-        let flops = if prepared.flops > 0 {
-            format!("{:.0}", prepared.flops as f64 / seconds / 1e9)
-        } else {
-            "-".into()
-        };
+        let flops =
+            if prepared.flops > 0 { format!("{:.0}", prepared.flops as f64 / seconds / 1e9) } else { "-".into() };
         println!(
             "| {} | {:.1} | {:.1} | {:.0} | {:.0}% | {} |",
             op.name(),
@@ -304,14 +238,8 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Res
 
 fn demo(backend: &str) -> Result<()> {
     let device = open(backend)?;
-    let gpu = device
-        .gpu()
-        .ok_or_else(|| anyhow!("the demo runs on a GPU backend (vulkan or cuda)"))?;
-    let size = if gpu.is_cpu() {
-        ExampleSize::CpuDevice
-    } else {
-        ExampleSize::Gpu
-    };
+    let gpu = device.gpu().ok_or_else(|| anyhow!("the demo runs on a GPU backend (vulkan or cuda)"))?;
+    let size = if gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
     println!("device: {}", device.description());
     let cpu = Device::cpu();
     for name in ["mamba3_preprocess_fwd", "mamba3_preprocess_bwd"] {
@@ -341,10 +269,7 @@ fn demo(backend: &str) -> Result<()> {
         for (output, want) in &reference {
             let error = relative_error(&first[output], want);
             worst = worst.max(error);
-            println!(
-                "  {output:<16} {:?}  error vs reference {error:.2e}",
-                want.shape()
-            );
+            println!("  {output:<16} {:?}  error vs reference {error:.2e}", want.shape());
         }
         if !repeats_equal || worst > 3e-4 {
             bail!("{name}: results are not repeatable or not within tolerance");

@@ -36,8 +36,7 @@ pub trait Gpu: Send + Sync {
     /// Runs the dispatches `repeats` times in one submission; returns the GPU seconds of each repetition.
     fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>>;
     /// Times `repeats` device-to-device copies of `source` into `target` (the bandwidth ceiling).
-    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize)
-        -> Result<Vec<f64>>;
+    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>>;
 }
 
 /// Frees a buffer slot when its [`GpuBuffer`] is dropped.
@@ -54,11 +53,7 @@ pub struct GpuBuffer {
 
 impl GpuBuffer {
     pub(crate) fn new(slot: u32, elements: usize, owner: Arc<dyn SlotOwner>) -> Self {
-        GpuBuffer {
-            slot,
-            elements,
-            owner,
-        }
+        GpuBuffer { slot, elements, owner }
     }
 
     /// The index kernels use to reach this buffer.
@@ -149,12 +144,7 @@ impl Dispatch {
         }
         let mut data = [0u8; MAX_PUSH_CONSTANT_BYTES];
         data[..bytes.len()].copy_from_slice(bytes);
-        Ok(Dispatch {
-            kernel,
-            groups,
-            push: data,
-            push_len: bytes.len(),
-        })
+        Ok(Dispatch { kernel, groups, push: data, push_len: bytes.len() })
     }
 
     /// A 1-D grid of `workgroups` workgroups, laid out as (GRID_X, ceil(workgroups / GRID_X)); the
@@ -164,10 +154,7 @@ impl Dispatch {
         let x = workgroups.min(u64::from(GRID_X)) as u32;
         let y = workgroups.div_ceil(u64::from(GRID_X));
         if y > 65535 {
-            return Err(Error::Dispatch(format!(
-                "{}: {workgroups} workgroups exceed the grid limit",
-                kernel.label()
-            )));
+            return Err(Error::Dispatch(format!("{}: {workgroups} workgroups exceed the grid limit", kernel.label())));
         }
         Dispatch::new(kernel, [x, y as u32, 1], push)
     }

@@ -22,10 +22,7 @@ impl<T: Copy + Default> Tensor<T> {
             return Err(Error::tensor(
                 "tensor",
                 "data",
-                format!(
-                    "shape {shape:?} holds {elements} elements, data has {}",
-                    data.len()
-                ),
+                format!("shape {shape:?} holds {elements} elements, data has {}", data.len()),
             ));
         }
         Ok(Tensor { shape, data })
@@ -34,19 +31,13 @@ impl<T: Copy + Default> Tensor<T> {
     /// A tensor of zeros.
     pub fn zeros(shape: Vec<usize>) -> Self {
         let elements = element_count(&shape);
-        Tensor {
-            shape,
-            data: vec![T::default(); elements],
-        }
+        Tensor { shape, data: vec![T::default(); elements] }
     }
 
     /// A tensor whose element `i` (row-major) is `f(i)`.
     pub fn from_fn(shape: Vec<usize>, f: impl FnMut(usize) -> T) -> Self {
         let elements = element_count(&shape);
-        Tensor {
-            shape,
-            data: (0..elements).map(f).collect(),
-        }
+        Tensor { shape, data: (0..elements).map(f).collect() }
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -77,20 +68,14 @@ impl<T: Copy + Default> Tensor<T> {
 impl Tensor<f32> {
     /// The same values widened to f64, for the reference.
     pub fn to_f64(&self) -> Tensor<f64> {
-        Tensor {
-            shape: self.shape.clone(),
-            data: self.data.iter().map(|&v| f64::from(v)).collect(),
-        }
+        Tensor { shape: self.shape.clone(), data: self.data.iter().map(|&v| f64::from(v)).collect() }
     }
 }
 
 impl Tensor<f64> {
     /// The same values rounded to f32.
     pub fn to_f32(&self) -> Tensor<f32> {
-        Tensor {
-            shape: self.shape.clone(),
-            data: self.data.iter().map(|&v| v as f32).collect(),
-        }
+        Tensor { shape: self.shape.clone(), data: self.data.iter().map(|&v| v as f32).collect() }
     }
 }
 

@@ -24,11 +24,7 @@ pub fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
 
 /// Whether two tensors hold the same bits.
 pub fn bitwise_equal(a: &Tensor, b: &Tensor) -> bool {
-    a.shape() == b.shape()
-        && a.data()
-            .iter()
-            .zip(b.data())
-            .all(|(x, y)| x.to_bits() == y.to_bits())
+    a.shape() == b.shape() && a.data().iter().zip(b.data()).all(|(x, y)| x.to_bits() == y.to_bits())
 }
 
 /// Central finite differences of a scalar `loss` against the analytic gradients in `gradients`
@@ -44,12 +40,9 @@ pub fn finite_difference_error(
 ) -> (f64, String) {
     let mut worst = (0.0f64, String::new());
     for &name in names {
-        let analytic = gradients.get(&format!("d{name}")).unwrap_or_else(|| {
-            panic!(
-                "no gradient d{name} among {:?}",
-                gradients.keys().collect::<Vec<_>>()
-            )
-        });
+        let analytic = gradients
+            .get(&format!("d{name}"))
+            .unwrap_or_else(|| panic!("no gradient d{name} among {:?}", gradients.keys().collect::<Vec<_>>()));
         let count = inputs[name].len();
         let stride = (count / samples.max(1)).max(1);
         for index in (0..count).step_by(stride).take(samples) {
@@ -60,13 +53,7 @@ pub fn finite_difference_error(
             let numeric = (loss(&plus) - loss(&minus)) / (2.0 * step);
             let error = (numeric - analytic.data()[index]).abs() / numeric.abs().max(1.0);
             if error > worst.0 || error.is_nan() {
-                worst = (
-                    error,
-                    format!(
-                        "d{name}[{index}]: fd {numeric:e}, analytic {:e}",
-                        analytic.data()[index]
-                    ),
-                );
+                worst = (error, format!("d{name}[{index}]: fd {numeric:e}, analytic {:e}", analytic.data()[index]));
             }
         }
     }
@@ -79,11 +66,7 @@ pub fn weighted_sum(outputs: &TensorMap<f64>, weights: &TensorMap<f64>) -> f64 {
         .iter()
         .map(|(name, w)| {
             let t = &outputs[name];
-            t.data()
-                .iter()
-                .zip(w.data())
-                .map(|(a, b)| a * b)
-                .sum::<f64>()
+            t.data().iter().zip(w.data()).map(|(a, b)| a * b).sum::<f64>()
         })
         .sum()
 }

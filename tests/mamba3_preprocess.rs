@@ -2,10 +2,7 @@
 
 mod common;
 
-use common::{
-    assert_deterministic, assert_refused, check_against_reference, FORWARD, GRADIENT,
-    PARAMETER_GRADIENT,
-};
+use common::{assert_deterministic, assert_refused, check_against_reference, FORWARD, GRADIENT, PARAMETER_GRADIENT};
 use mamba_kernels::ops::mamba3_preprocess::{example_inputs, force_branches, PreprocessShape};
 use mamba_kernels::{Device, Tensor};
 
@@ -16,17 +13,16 @@ const CLAMP: Option<(f32, f32)> = Some((1e-3, 1e-1));
 /// weights on and off, dt clamp (0, inf) and (1e-3, 1e-1). The first rows of every case are
 /// forced onto every branch of heavy_tail, its floor, softplus and its threshold.
 fn cases() -> Vec<PreprocessShape> {
-    let shape =
-        |rows, inner, state, heads, bc_rows, rope_angles, norm_weights, dt_clamp| PreprocessShape {
-            rows,
-            inner,
-            state,
-            heads,
-            bc_rows,
-            rope_angles,
-            norm_weights,
-            dt_clamp,
-        };
+    let shape = |rows, inner, state, heads, bc_rows, rope_angles, norm_weights, dt_clamp| PreprocessShape {
+        rows,
+        inner,
+        state,
+        heads,
+        bc_rows,
+        rope_angles,
+        norm_weights,
+        dt_clamp,
+    };
     vec![
         shape(1, 64, 16, 1, 1, 4, true, None),
         shape(7, 200, 64, 4, 2, 16, false, CLAMP),
@@ -51,11 +47,7 @@ fn forward_and_backward_match_reference(device: &Device) {
         for backward in [false, true] {
             let (mut inputs, scalars) = example_inputs(shape, backward, 100 + i as u64);
             force_branches(shape, &mut inputs);
-            let op = if backward {
-                "mamba3_preprocess_bwd"
-            } else {
-                "mamba3_preprocess_fwd"
-            };
+            let op = if backward { "mamba3_preprocess_bwd" } else { "mamba3_preprocess_fwd" };
             check_against_reference(device, op, &inputs, &scalars, &tolerance, &case);
         }
     }
@@ -63,10 +55,7 @@ fn forward_and_backward_match_reference(device: &Device) {
 
 fn bitwise_deterministic(device: &Device) {
     let shape = &cases()[3];
-    for (backward, op) in [
-        (false, "mamba3_preprocess_fwd"),
-        (true, "mamba3_preprocess_bwd"),
-    ] {
+    for (backward, op) in [(false, "mamba3_preprocess_fwd"), (true, "mamba3_preprocess_bwd")] {
         let (inputs, scalars) = example_inputs(shape, backward, 9);
         assert_deterministic(device, op, &inputs, &scalars, 5);
     }
@@ -80,10 +69,7 @@ fn bad_input_is_refused(device: &Device) {
     missing.remove("dangles");
     assert_refused(device, op, &missing, &scalars, &["`dangles`", "missing"]);
     let mut narrow = inputs.clone();
-    narrow.insert(
-        "projected".into(),
-        Tensor::zeros(vec![shape.rows, shape.width() - 1]),
-    );
+    narrow.insert("projected".into(), Tensor::zeros(vec![shape.rows, shape.width() - 1]));
     assert_refused(device, op, &narrow, &scalars, &["`projected`", "width"]);
     let mut bias = inputs.clone();
     bias.insert("dt_bias".into(), Tensor::zeros(vec![shape.heads + 1]));
@@ -91,31 +77,9 @@ fn bad_input_is_refused(device: &Device) {
     let mut no_inner = scalars.clone();
     no_inner.remove("inner");
     assert_refused(device, op, &inputs, &no_inner, &["`inner`", "missing"]);
-    assert_refused(
-        device,
-        op,
-        &inputs,
-        &scalars.clone().with("dt_min", "0.5").with("dt_max", "0.1"),
-        &["`dt_max`"],
-    );
-    assert_refused(
-        device,
-        op,
-        &inputs,
-        &scalars.clone().with("heads", "0"),
-        &["`heads`", "at least 1"],
-    );
-    assert_refused(
-        device,
-        op,
-        &inputs,
-        &scalars.clone().with("a_floor", "inf"),
-        &["`a_floor`", "finite"],
-    );
+    assert_refused(device, op, &inputs, &scalars.clone().with("dt_min", "0.5").with("dt_max", "0.1"), &["`dt_max`"]);
+    assert_refused(device, op, &inputs, &scalars.clone().with("heads", "0"), &["`heads`", "at least 1"]);
+    assert_refused(device, op, &inputs, &scalars.clone().with("a_floor", "inf"), &["`a_floor`", "finite"]);
 }
 
-backend_tests!(
-    forward_and_backward_match_reference,
-    bitwise_deterministic,
-    bad_input_is_refused
-);
+backend_tests!(forward_and_backward_match_reference, bitwise_deterministic, bad_input_is_refused);

@@ -2,10 +2,7 @@
 
 mod common;
 
-use common::{
-    assert_deterministic, assert_refused, check_against_reference, FORWARD, GRADIENT,
-    PARAMETER_GRADIENT,
-};
+use common::{assert_deterministic, assert_refused, check_against_reference, FORWARD, GRADIENT, PARAMETER_GRADIENT};
 use mamba_kernels::ops::rmsnorm::example_inputs;
 use mamba_kernels::{Device, Tensor};
 
@@ -50,50 +47,20 @@ fn bad_input_is_refused(device: &Device) {
     let (inputs, scalars) = example_inputs(4, 8, true, true, 1);
     let mut missing = inputs.clone();
     missing.remove("dy");
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &missing,
-        &scalars,
-        &["rmsnorm_bwd", "`dy`", "missing"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &missing, &scalars, &["rmsnorm_bwd", "`dy`", "missing"]);
     let mut misshaped = inputs.clone();
     misshaped.insert("weight".into(), Tensor::zeros(vec![9]));
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &misshaped,
-        &scalars,
-        &["`weight`", "[8]", "[9]"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &misshaped, &scalars, &["`weight`", "[8]", "[9]"]);
     let mut wrong_rank = inputs.clone();
     wrong_rank.insert("x".into(), Tensor::zeros(vec![32]));
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &wrong_rank,
-        &scalars,
-        &["`x`", "rank 2"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &wrong_rank, &scalars, &["`x`", "rank 2"]);
     let mut unknown = inputs.clone();
     unknown.insert("bias".into(), Tensor::zeros(vec![8]));
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &unknown,
-        &scalars,
-        &["`bias`", "not an input"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &unknown, &scalars, &["`bias`", "not an input"]);
     let mut zero = inputs.clone();
     zero.insert("x".into(), Tensor::zeros(vec![0, 8]));
     assert_refused(device, "rmsnorm_fwd", &zero, &scalars, &["`x`", "zero"]);
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &inputs,
-        &scalars.clone().with("eps", "nan"),
-        &["`eps`", "finite"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &inputs, &scalars.clone().with("eps", "nan"), &["`eps`", "finite"]);
     assert_refused(
         device,
         "rmsnorm_bwd",
@@ -101,20 +68,8 @@ fn bad_input_is_refused(device: &Device) {
         &scalars.clone().with("epsilon", "1e-5"),
         &["`epsilon`", "not a scalar"],
     );
-    assert_refused(
-        device,
-        "rmsnorm_bwd",
-        &inputs,
-        &scalars.clone().with("eps", "tiny"),
-        &["`eps`", "number"],
-    );
-    assert_refused(
-        device,
-        "no_such_op",
-        &inputs,
-        &scalars,
-        &["unknown op", "rmsnorm_fwd"],
-    );
+    assert_refused(device, "rmsnorm_bwd", &inputs, &scalars.clone().with("eps", "tiny"), &["`eps`", "number"]);
+    assert_refused(device, "no_such_op", &inputs, &scalars, &["unknown op", "rmsnorm_fwd"]);
 }
 
 /// A tensor past the device's storage-buffer limit (128 MiB on lavapipe) is refused with an error
@@ -123,10 +78,7 @@ fn oversized_tensor_is_refused_or_correct(device: &Device) {
     let Some(gpu) = device.gpu() else { return };
     let limit = gpu.max_buffer_bytes();
     if limit > 1 << 31 {
-        eprintln!(
-            "skipped: {} allows {limit}-byte buffers; the oversize case would need > 2 GiB",
-            device.kind()
-        );
+        eprintln!("skipped: {} allows {limit}-byte buffers; the oversize case would need > 2 GiB", device.kind());
         return;
     }
     let n = (limit / 4) as usize + 64;
@@ -137,14 +89,10 @@ fn oversized_tensor_is_refused_or_correct(device: &Device) {
     match mamba_kernels::ops::run(device, "rmsnorm_fwd", &inputs, &scalars) {
         Err(error) => {
             let text = error.to_string();
-            assert!(
-                text.contains("`x`") && text.contains("bytes"),
-                "unclear refusal: {text}"
-            );
+            assert!(text.contains("`x`") && text.contains("bytes"), "unclear refusal: {text}");
         }
         Ok(outputs) => {
-            let want =
-                mamba_kernels::ops::run(&Device::cpu(), "rmsnorm_fwd", &inputs, &scalars).unwrap();
+            let want = mamba_kernels::ops::run(&Device::cpu(), "rmsnorm_fwd", &inputs, &scalars).unwrap();
             assert!(mamba_kernels::testing::relative_error(&outputs["y"], &want["y"]) <= FORWARD);
         }
     }

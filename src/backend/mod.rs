@@ -88,19 +88,12 @@ impl Device {
     #[cfg(feature = "vulkan")]
     fn vulkan() -> Result<Self> {
         let gpu = Arc::new(vulkan::VulkanGpu::new()?);
-        Ok(Device {
-            kind: BackendKind::Vulkan,
-            gpu: Some(gpu.clone() as Arc<dyn Gpu>),
-            vulkan: Some(gpu),
-        })
+        Ok(Device { kind: BackendKind::Vulkan, gpu: Some(gpu.clone() as Arc<dyn Gpu>), vulkan: Some(gpu) })
     }
 
     #[cfg(not(feature = "vulkan"))]
     fn vulkan() -> Result<Self> {
-        Err(Error::DeviceUnavailable {
-            backend: "vulkan",
-            reason: "this build has no Vulkan backend".into(),
-        })
+        Err(Error::DeviceUnavailable { backend: "vulkan", reason: "this build has no Vulkan backend".into() })
     }
 
     pub fn kind(&self) -> BackendKind {

@@ -23,11 +23,7 @@ fn describe(dims: &[&str]) -> String {
 
 impl<'a> ShapeCheck<'a> {
     pub fn new(op: &'static str, shapes: &'a BTreeMap<String, Vec<usize>>) -> Self {
-        ShapeCheck {
-            op,
-            shapes,
-            seen: RefCell::new(BTreeSet::new()),
-        }
+        ShapeCheck { op, shapes, seen: RefCell::new(BTreeSet::new()) }
     }
 
     pub fn op(&self) -> &'static str {
@@ -63,21 +59,12 @@ impl<'a> ShapeCheck<'a> {
     fn ranked(&self, name: &str, dims: &[&str]) -> Result<Vec<usize>> {
         let shape = &self.shapes[name];
         if shape.len() != dims.len() {
-            return Err(self.error(
-                name,
-                format!(
-                    "expected rank {} {}, got shape {:?}",
-                    dims.len(),
-                    describe(dims),
-                    shape
-                ),
-            ));
+            return Err(
+                self.error(name, format!("expected rank {} {}, got shape {:?}", dims.len(), describe(dims), shape))
+            );
         }
         if let Some(axis) = shape.iter().position(|&d| d == 0) {
-            return Err(self.error(
-                name,
-                format!("dimension `{}` is zero in shape {:?}", dims[axis], shape),
-            ));
+            return Err(self.error(name, format!("dimension `{}` is zero in shape {:?}", dims[axis], shape)));
         }
         Ok(shape.clone())
     }
@@ -101,19 +88,10 @@ impl<'a> ShapeCheck<'a> {
     fn compare(&self, name: &str, dims: &[(&str, usize)], shape: &[usize]) -> Result<()> {
         let expected: Vec<usize> = dims.iter().map(|d| d.1).collect();
         if shape != expected.as_slice() {
-            let named: Vec<String> = dims
-                .iter()
-                .map(|(label, size)| format!("{label}={size}"))
-                .collect();
-            return Err(self.error(
-                name,
-                format!(
-                    "expected shape {:?} ([{}]), got {:?}",
-                    expected,
-                    named.join(", "),
-                    shape
-                ),
-            ));
+            let named: Vec<String> = dims.iter().map(|(label, size)| format!("{label}={size}")).collect();
+            return Err(
+                self.error(name, format!("expected shape {:?} ([{}]), got {:?}", expected, named.join(", "), shape))
+            );
         }
         Ok(())
     }
@@ -123,13 +101,7 @@ impl<'a> ShapeCheck<'a> {
         let seen = self.seen.borrow();
         if let Some(unknown) = self.shapes.keys().find(|k| !seen.contains(*k)) {
             let accepted: Vec<&str> = seen.iter().map(String::as_str).collect();
-            return Err(self.error(
-                unknown,
-                format!(
-                    "not an input of this op (it takes: {})",
-                    accepted.join(", ")
-                ),
-            ));
+            return Err(self.error(unknown, format!("not an input of this op (it takes: {})", accepted.join(", "))));
         }
         Ok(())
     }
@@ -144,11 +116,7 @@ pub struct ScalarCheck<'a> {
 
 impl<'a> ScalarCheck<'a> {
     pub fn new(op: &'static str, scalars: &'a Scalars) -> Self {
-        ScalarCheck {
-            op,
-            scalars,
-            seen: RefCell::new(BTreeSet::new()),
-        }
+        ScalarCheck { op, scalars, seen: RefCell::new(BTreeSet::new()) }
     }
 
     pub fn error(&self, scalar: &str, problem: impl Into<String>) -> Error {
@@ -164,8 +132,7 @@ impl<'a> ScalarCheck<'a> {
     pub fn f32_or(&self, name: &str, default: f32) -> Result<f32> {
         match self.raw(name) {
             None => Ok(default),
-            Some(text) => parse_f32(text)
-                .ok_or_else(|| self.error(name, format!("expected a number, got {text:?}"))),
+            Some(text) => parse_f32(text).ok_or_else(|| self.error(name, format!("expected a number, got {text:?}"))),
         }
     }
 
@@ -182,12 +149,9 @@ impl<'a> ScalarCheck<'a> {
     pub fn u32_required(&self, name: &str) -> Result<u32> {
         match self.raw(name) {
             None => Err(self.error(name, "missing (a required integer)")),
-            Some(text) => text.parse().map_err(|_| {
-                self.error(
-                    name,
-                    format!("expected a non-negative integer, got {text:?}"),
-                )
-            }),
+            Some(text) => {
+                text.parse().map_err(|_| self.error(name, format!("expected a non-negative integer, got {text:?}")))
+            }
         }
     }
 
@@ -195,12 +159,9 @@ impl<'a> ScalarCheck<'a> {
     pub fn u32_or(&self, name: &str, default: u32) -> Result<u32> {
         match self.raw(name) {
             None => Ok(default),
-            Some(text) => text.parse().map_err(|_| {
-                self.error(
-                    name,
-                    format!("expected a non-negative integer, got {text:?}"),
-                )
-            }),
+            Some(text) => {
+                text.parse().map_err(|_| self.error(name, format!("expected a non-negative integer, got {text:?}")))
+            }
         }
     }
 
@@ -220,13 +181,7 @@ impl<'a> ScalarCheck<'a> {
         for (name, _) in self.scalars.iter() {
             if !seen.contains(name) && !IGNORED_METADATA.contains(&name) {
                 let accepted: Vec<&str> = seen.iter().map(String::as_str).collect();
-                return Err(self.error(
-                    name,
-                    format!(
-                        "not a scalar of this op (it takes: {})",
-                        accepted.join(", ")
-                    ),
-                ));
+                return Err(self.error(name, format!("not a scalar of this op (it takes: {})", accepted.join(", "))));
             }
         }
         Ok(())

@@ -10,9 +10,7 @@ use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
 use crate::kernels;
 use crate::ops::math::{heavy_tail, heavy_tail_derivative, softplus, softplus_derivative};
 use crate::ops::reduce::{column_sums, Partials};
-use crate::ops::{
-    optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck,
-};
+use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
 use crate::push_constants;
 use crate::random::Rng;
 use crate::tensor::{Scalars, Tensor, TensorMap};
@@ -51,9 +49,7 @@ push_constants! {
         a_floor: f32,
     }
 }
-const _: () = assert!(
-    std::mem::size_of::<PreprocessPush>() == kernels::mamba3_preprocess::PUSH_CONSTANT_BYTES
-);
+const _: () = assert!(std::mem::size_of::<PreprocessPush>() == kernels::mamba3_preprocess::PUSH_CONSTANT_BYTES);
 
 /// Rows per workgroup: 8 teams of 32 lanes, one row each.
 const ROWS_PER_WORKGROUP: usize = 8;
@@ -123,10 +119,7 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<Preprocess
         return Err(scalars.error("dt_min", format!("must be >= 0, got {dt_min}")));
     }
     if dt_max.is_nan() || dt_max < dt_min {
-        return Err(scalars.error(
-            "dt_max",
-            format!("must be >= dt_min ({dt_min}), got {dt_max}"),
-        ));
+        return Err(scalars.error("dt_max", format!("must be >= dt_min ({dt_min}), got {dt_max}")));
     }
     if a_floor < 0.0 {
         return Err(scalars.error("a_floor", format!("must be >= 0, got {a_floor}")));
@@ -222,10 +215,7 @@ impl OpDef for PreprocessFwd {
     fn reference(p: &PreprocessProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
         let projected = inputs["projected"].data();
         let dt_bias = inputs["dt_bias"].data();
-        let weights = [
-            inputs.get("b_norm_weight").map(|t| t.data()),
-            inputs.get("c_norm_weight").map(|t| t.data()),
-        ];
+        let weights = [inputs.get("b_norm_weight").map(|t| t.data()), inputs.get("c_norm_weight").map(|t| t.data())];
         let width = p.width();
         let bc = p.bc_rows * p.state;
         let mut normed = [vec![0.0; p.rows * bc], vec![0.0; p.rows * bc]];
@@ -238,17 +228,12 @@ impl OpDef for PreprocessFwd {
                     let values = &line[offset + group * p.state..offset + (group + 1) * p.state];
                     let r = inverse_rms(values, p.eps);
                     for (i, v) in values.iter().enumerate() {
-                        normed[which][row * bc + group * p.state + i] =
-                            v * r * weights[which].map_or(1.0, |w| w[i]);
+                        normed[which][row * bc + group * p.state + i] = v * r * weights[which].map_or(1.0, |w| w[i]);
                     }
                 }
             }
             for h in 0..p.heads {
-                let (_, step, a) = dt_and_a(
-                    p,
-                    line[p.dd_dt_offset() + h] + dt_bias[h],
-                    line[p.dd_a_offset() + h],
-                );
+                let (_, step, a) = dt_and_a(p, line[p.dd_dt_offset() + h] + dt_bias[h], line[p.dd_a_offset() + h]);
                 dt[row * p.heads + h] = step;
                 adt[row * p.heads + h] = a * step;
             }
@@ -256,19 +241,10 @@ impl OpDef for PreprocessFwd {
         let [bh, ch] = normed;
         let shape3 = vec![p.rows, p.bc_rows, p.state];
         let mut out = TensorMap::new();
-        out.insert(
-            "bh".into(),
-            Tensor::new(shape3.clone(), bh).expect("bh size"),
-        );
+        out.insert("bh".into(), Tensor::new(shape3.clone(), bh).expect("bh size"));
         out.insert("ch".into(), Tensor::new(shape3, ch).expect("ch size"));
-        out.insert(
-            "dt".into(),
-            Tensor::new(vec![p.rows, p.heads], dt).expect("dt size"),
-        );
-        out.insert(
-            "adt".into(),
-            Tensor::new(vec![p.rows, p.heads], adt).expect("adt size"),
-        );
+        out.insert("dt".into(), Tensor::new(vec![p.rows, p.heads], dt).expect("dt size"));
+        out.insert("adt".into(), Tensor::new(vec![p.rows, p.heads], adt).expect("adt size"));
         out
     }
 
@@ -280,11 +256,7 @@ impl OpDef for PreprocessFwd {
         push.dt = recorded.output(gpu, Self::NAME, "dt", vec![p.rows, p.heads])?;
         push.adt = recorded.output(gpu, Self::NAME, "adt", vec![p.rows, p.heads])?;
         let groups = p.rows.div_ceil(ROWS_PER_WORKGROUP) as u64;
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_preprocess::MAMBA3_PREPROCESS_FWD,
-            groups,
-            &push,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(kernels::mamba3_preprocess::MAMBA3_PREPROCESS_FWD, groups, &push)?);
         Ok(recorded)
     }
 
@@ -309,38 +281,22 @@ impl OpDef for PreprocessBwd {
         let p = check_common(shapes, scalars)?;
         shapes.expect("dz", &[("rows", p.rows), ("inner", p.inner)])?;
         shapes.expect("dx", &[("rows", p.rows), ("inner", p.inner)])?;
-        shapes.expect(
-            "dbh",
-            &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)],
-        )?;
-        shapes.expect(
-            "dch",
-            &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)],
-        )?;
+        shapes.expect("dbh", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
+        shapes.expect("dch", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
         for name in ["ddt", "dadt", "dtrap"] {
             shapes.expect(name, &[("rows", p.rows), ("heads", p.heads)])?;
         }
-        shapes.expect(
-            "dangles",
-            &[("rows", p.rows), ("rope_angles", p.rope_angles)],
-        )?;
+        shapes.expect("dangles", &[("rows", p.rows), ("rope_angles", p.rope_angles)])?;
         Ok(p)
     }
 
     fn reference(p: &PreprocessProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
         let projected = inputs["projected"].data();
         let dt_bias = inputs["dt_bias"].data();
-        let weights = [
-            inputs.get("b_norm_weight").map(|t| t.data()),
-            inputs.get("c_norm_weight").map(|t| t.data()),
-        ];
+        let weights = [inputs.get("b_norm_weight").map(|t| t.data()), inputs.get("c_norm_weight").map(|t| t.data())];
         let upstream = [inputs["dbh"].data(), inputs["dch"].data()];
         let (dz, dx) = (inputs["dz"].data(), inputs["dx"].data());
-        let (ddt, dadt, dtrap) = (
-            inputs["ddt"].data(),
-            inputs["dadt"].data(),
-            inputs["dtrap"].data(),
-        );
+        let (ddt, dadt, dtrap) = (inputs["ddt"].data(), inputs["dadt"].data(), inputs["dtrap"].data());
         let dangles = inputs["dangles"].data();
         let width = p.width();
         let bc = p.bc_rows * p.state;
@@ -373,41 +329,26 @@ impl OpDef for PreprocessBwd {
                 let raw_a = line[p.dd_a_offset() + h];
                 let (softplus_value, step, a) = dt_and_a(p, raw_dt, raw_a);
                 let dt_total = ddt[index] + dadt[index] * a;
-                let dt_mask = f64::from(u8::from(
-                    f64::from(p.dt_min) <= softplus_value && softplus_value <= f64::from(p.dt_max),
-                ));
+                let dt_mask =
+                    f64::from(u8::from(f64::from(p.dt_min) <= softplus_value && softplus_value <= f64::from(p.dt_max)));
                 let raw_dt_gradient = dt_total * dt_mask * softplus_derivative(raw_dt);
                 out[p.dd_dt_offset() + h] = raw_dt_gradient;
                 ddt_bias[h] += raw_dt_gradient;
                 let a_mask = f64::from(u8::from(heavy_tail(raw_a) > f64::from(p.a_floor)));
-                out[p.dd_a_offset() + h] =
-                    -dadt[index] * step * a_mask * heavy_tail_derivative(raw_a);
+                out[p.dd_a_offset() + h] = -dadt[index] * step * a_mask * heavy_tail_derivative(raw_a);
                 out[p.trap_offset() + h] = dtrap[index];
             }
-            out[p.angle_offset()..]
-                .copy_from_slice(&dangles[row * p.rope_angles..(row + 1) * p.rope_angles]);
+            out[p.angle_offset()..].copy_from_slice(&dangles[row * p.rope_angles..(row + 1) * p.rope_angles]);
         }
         let [db_norm_weight, dc_norm_weight] = dweights;
         let mut result = TensorMap::new();
-        result.insert(
-            "dprojected".into(),
-            Tensor::new(vec![p.rows, width], dprojected).expect("dprojected size"),
-        );
-        result.insert(
-            "ddt_bias".into(),
-            Tensor::new(vec![p.heads], ddt_bias).expect("heads"),
-        );
+        result.insert("dprojected".into(), Tensor::new(vec![p.rows, width], dprojected).expect("dprojected size"));
+        result.insert("ddt_bias".into(), Tensor::new(vec![p.heads], ddt_bias).expect("heads"));
         if p.has_b_weight {
-            result.insert(
-                "db_norm_weight".into(),
-                Tensor::new(vec![p.state], db_norm_weight).expect("state"),
-            );
+            result.insert("db_norm_weight".into(), Tensor::new(vec![p.state], db_norm_weight).expect("state"));
         }
         if p.has_c_weight {
-            result.insert(
-                "dc_norm_weight".into(),
-                Tensor::new(vec![p.state], dc_norm_weight).expect("state"),
-            );
+            result.insert("dc_norm_weight".into(), Tensor::new(vec![p.state], dc_norm_weight).expect("state"));
         }
         result
     }
@@ -415,31 +356,18 @@ impl OpDef for PreprocessBwd {
     fn record(p: &PreprocessProblem, gpu: &dyn Gpu, inputs: &GpuTensors) -> Result<Recorded> {
         let mut recorded = Recorded::default();
         let mut push = base_push(p, inputs, Self::NAME)?;
-        push.dprojected =
-            recorded.output(gpu, Self::NAME, "dprojected", vec![p.rows, p.width()])?;
+        push.dprojected = recorded.output(gpu, Self::NAME, "dprojected", vec![p.rows, p.width()])?;
         let partial_rows = p.rows * p.bc_rows;
         if p.has_b_weight {
-            push.b_weight_partial = recorded.scratch(
-                gpu,
-                Self::NAME,
-                "db_norm_weight partials",
-                partial_rows * p.state,
-            )?;
+            push.b_weight_partial =
+                recorded.scratch(gpu, Self::NAME, "db_norm_weight partials", partial_rows * p.state)?;
         }
         if p.has_c_weight {
-            push.c_weight_partial = recorded.scratch(
-                gpu,
-                Self::NAME,
-                "dc_norm_weight partials",
-                partial_rows * p.state,
-            )?;
+            push.c_weight_partial =
+                recorded.scratch(gpu, Self::NAME, "dc_norm_weight partials", partial_rows * p.state)?;
         }
         let groups = p.rows.div_ceil(ROWS_PER_WORKGROUP) as u64;
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_preprocess::MAMBA3_PREPROCESS_BWD,
-            groups,
-            &push,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(kernels::mamba3_preprocess::MAMBA3_PREPROCESS_BWD, groups, &push)?);
 
         let ddt_bias = recorded.output(gpu, Self::NAME, "ddt_bias", vec![p.heads])?;
         let dt_columns = Partials {
@@ -456,13 +384,8 @@ impl OpDef for PreprocessBwd {
         ] {
             if given {
                 let output = recorded.output(gpu, Self::NAME, name, vec![p.state])?;
-                let partials = Partials {
-                    slot: partial,
-                    rows: partial_rows,
-                    cols: p.state,
-                    offset: 0,
-                    row_stride: p.state,
-                };
+                let partials =
+                    Partials { slot: partial, rows: partial_rows, cols: p.state, offset: 0, row_stride: p.state };
                 column_sums(&mut recorded, gpu, Self::NAME, partials, output)?;
             }
         }
@@ -557,36 +480,18 @@ pub fn example_inputs(shape: &PreprocessShape, backward: bool, seed: u64) -> (Te
     inputs.insert("projected".into(), projected);
     inputs.insert("dt_bias".into(), dt_bias);
     if s.norm_weights {
-        inputs.insert(
-            "b_norm_weight".into(),
-            rng.uniform_tensor(vec![s.state], 0.5, 1.5),
-        );
-        inputs.insert(
-            "c_norm_weight".into(),
-            rng.uniform_tensor(vec![s.state], 0.5, 1.5),
-        );
+        inputs.insert("b_norm_weight".into(), rng.uniform_tensor(vec![s.state], 0.5, 1.5));
+        inputs.insert("c_norm_weight".into(), rng.uniform_tensor(vec![s.state], 0.5, 1.5));
     }
     if backward {
         inputs.insert("dz".into(), rng.normal_tensor(vec![s.rows, s.inner], 1.0));
         inputs.insert("dx".into(), rng.normal_tensor(vec![s.rows, s.inner], 1.0));
-        inputs.insert(
-            "dbh".into(),
-            rng.normal_tensor(vec![s.rows, s.bc_rows, s.state], 1.0),
-        );
-        inputs.insert(
-            "dch".into(),
-            rng.normal_tensor(vec![s.rows, s.bc_rows, s.state], 1.0),
-        );
+        inputs.insert("dbh".into(), rng.normal_tensor(vec![s.rows, s.bc_rows, s.state], 1.0));
+        inputs.insert("dch".into(), rng.normal_tensor(vec![s.rows, s.bc_rows, s.state], 1.0));
         inputs.insert("ddt".into(), rng.normal_tensor(vec![s.rows, s.heads], 1.0));
         inputs.insert("dadt".into(), rng.normal_tensor(vec![s.rows, s.heads], 1.0));
-        inputs.insert(
-            "dtrap".into(),
-            rng.normal_tensor(vec![s.rows, s.heads], 1.0),
-        );
-        inputs.insert(
-            "dangles".into(),
-            rng.normal_tensor(vec![s.rows, s.rope_angles], 1.0),
-        );
+        inputs.insert("dtrap".into(), rng.normal_tensor(vec![s.rows, s.heads], 1.0));
+        inputs.insert("dangles".into(), rng.normal_tensor(vec![s.rows, s.rope_angles], 1.0));
     }
     let mut scalars = Scalars::new()
         .with("inner", s.inner)
@@ -610,10 +515,7 @@ pub fn force_branches(shape: &PreprocessShape, inputs: &mut TensorMap) {
     let dd_dt_offset = 2 * shape.inner + 2 * shape.bc_rows * shape.state;
     let dd_a_offset = dd_dt_offset + shape.heads;
     let dt_bias: Vec<f32> = inputs["dt_bias"].data().to_vec();
-    let projected = inputs
-        .get_mut("projected")
-        .expect("projected input")
-        .data_mut();
+    let projected = inputs.get_mut("projected").expect("projected input").data_mut();
     for row in 0..shape.rows.min(DD_A.len().max(RAW_DT.len())) {
         for h in 0..shape.heads {
             let k = row + h;
@@ -668,10 +570,7 @@ mod tests {
             };
             let p = problem_of(&shape);
             let (inputs, _) = example_inputs(&shape, true, 11);
-            let wide: TensorMap<f64> = inputs
-                .iter()
-                .map(|(k, v)| (k.clone(), v.to_f64()))
-                .collect();
+            let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
             let mut output_weights = TensorMap::new();
             for (out, grad) in [("bh", "dbh"), ("ch", "dch"), ("dt", "ddt"), ("adt", "dadt")] {
                 output_weights.insert(out.to_string(), wide[grad].clone());
@@ -686,19 +585,16 @@ mod tests {
                         sum += x[row * width + p.inner + c] * wide["dx"].data()[row * p.inner + c];
                     }
                     for h in 0..p.heads {
-                        sum += x[row * width + p.trap_offset() + h]
-                            * wide["dtrap"].data()[row * p.heads + h];
+                        sum += x[row * width + p.trap_offset() + h] * wide["dtrap"].data()[row * p.heads + h];
                     }
                     for a in 0..p.rope_angles {
-                        sum += x[row * width + p.angle_offset() + a]
-                            * wide["dangles"].data()[row * p.rope_angles + a];
+                        sum += x[row * width + p.angle_offset() + a] * wide["dangles"].data()[row * p.rope_angles + a];
                     }
                 }
                 sum
             };
-            let loss = |i: &TensorMap<f64>| {
-                weighted_sum(&PreprocessFwd::reference(&p, i), &output_weights) + pass_through(i)
-            };
+            let loss =
+                |i: &TensorMap<f64>| weighted_sum(&PreprocessFwd::reference(&p, i), &output_weights) + pass_through(i);
             let grads = PreprocessBwd::reference(&p, &wide);
             let names: Vec<&str> = if weights {
                 vec!["projected", "dt_bias", "b_norm_weight", "c_norm_weight"]
@@ -706,10 +602,7 @@ mod tests {
                 vec!["projected", "dt_bias"]
             };
             let (error, at) = finite_difference_error(&loss, &wide, &grads, &names, 400, 1e-6);
-            assert!(
-                error < 1e-6,
-                "weights {weights} clamp {clamp:?}: {error:e} at {at}"
-            );
+            assert!(error < 1e-6, "weights {weights} clamp {clamp:?}: {error:e} at {at}");
         }
     }
 }

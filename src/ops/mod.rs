@@ -39,17 +39,10 @@ pub struct Recorded {
 
 impl Recorded {
     /// Allocates an output tensor, refusing one larger than a device buffer may be.
-    pub fn output(
-        &mut self,
-        gpu: &dyn Gpu,
-        op: &str,
-        name: &str,
-        shape: Vec<usize>,
-    ) -> Result<u32> {
+    pub fn output(&mut self, gpu: &dyn Gpu, op: &str, name: &str, shape: Vec<usize>) -> Result<u32> {
         let buffer = alloc_checked(gpu, op, name, &shape)?;
         let slot = buffer.slot();
-        self.outputs
-            .insert(name.to_string(), GpuTensor { buffer, shape });
+        self.outputs.insert(name.to_string(), GpuTensor { buffer, shape });
         Ok(slot)
     }
 
@@ -78,17 +71,12 @@ fn alloc_checked(gpu: &dyn Gpu, op: &str, name: &str, shape: &[usize]) -> Result
 
 /// The slot of an input tensor (inputs were checked by name before launch).
 pub fn slot(inputs: &GpuTensors, op: &str, name: &str) -> Result<u32> {
-    inputs
-        .get(name)
-        .map(|t| t.buffer.slot())
-        .ok_or_else(|| Error::tensor(op, name, "missing"))
+    inputs.get(name).map(|t| t.buffer.slot()).ok_or_else(|| Error::tensor(op, name, "missing"))
 }
 
 /// The slot of an optional input, or `NO_BUFFER`.
 pub fn optional_slot(inputs: &GpuTensors, name: &str) -> u32 {
-    inputs
-        .get(name)
-        .map_or(crate::gpu::NO_BUFFER, |t| t.buffer.slot())
+    inputs.get(name).map_or(crate::gpu::NO_BUFFER, |t| t.buffer.slot())
 }
 
 /// What an op file implements.
@@ -154,10 +142,7 @@ pub trait Op: Send + Sync {
 struct Registered<T: OpDef>(PhantomData<T>);
 
 fn shapes_of(inputs: &TensorMap) -> BTreeMap<String, Vec<usize>> {
-    inputs
-        .iter()
-        .map(|(k, v)| (k.clone(), v.shape().to_vec()))
-        .collect()
+    inputs.iter().map(|(k, v)| (k.clone(), v.shape().to_vec())).collect()
 }
 
 fn problem_of<T: OpDef>(inputs: &TensorMap, scalars: &Scalars) -> Result<T::Problem> {
@@ -188,13 +173,7 @@ impl<T: OpDef> Registered<T> {
         for (name, tensor) in inputs {
             let buffer = gpu.alloc(tensor.len().max(1))?;
             gpu.upload(&buffer, tensor.data())?;
-            uploaded.insert(
-                name.clone(),
-                GpuTensor {
-                    buffer,
-                    shape: tensor.shape().to_vec(),
-                },
-            );
+            uploaded.insert(name.clone(), GpuTensor { buffer, shape: tensor.shape().to_vec() });
         }
         Ok(uploaded)
     }
@@ -209,14 +188,8 @@ impl<T: OpDef> Op for Registered<T> {
         match device.gpu() {
             None => {
                 let problem = problem_of::<T>(inputs, scalars)?;
-                let wide: TensorMap<f64> = inputs
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.to_f64()))
-                    .collect();
-                Ok(T::reference(&problem, &wide)
-                    .into_iter()
-                    .map(|(k, v)| (k, v.to_f32()))
-                    .collect())
+                let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+                Ok(T::reference(&problem, &wide).into_iter().map(|(k, v)| (k, v.to_f32())).collect())
             }
             Some(gpu) => {
                 let prepared = self.prepare(gpu, inputs, scalars)?;
@@ -258,25 +231,13 @@ pub static OPS: &[&dyn Op] = &[
 
 /// The op called `name`.
 pub fn find(name: &str) -> Result<&'static dyn Op> {
-    OPS.iter()
-        .copied()
-        .find(|op| op.name() == name)
-        .ok_or_else(|| Error::UnknownOp {
-            name: name.to_string(),
-            known: OPS
-                .iter()
-                .map(|op| op.name())
-                .collect::<Vec<_>>()
-                .join(", "),
-        })
+    OPS.iter().copied().find(|op| op.name() == name).ok_or_else(|| Error::UnknownOp {
+        name: name.to_string(),
+        known: OPS.iter().map(|op| op.name()).collect::<Vec<_>>().join(", "),
+    })
 }
 
 /// Runs op `name` on `device`: the library's one-call entry point.
-pub fn run(
-    device: &Device,
-    name: &str,
-    inputs: &TensorMap,
-    scalars: &Scalars,
-) -> Result<TensorMap> {
+pub fn run(device: &Device, name: &str, inputs: &TensorMap, scalars: &Scalars) -> Result<TensorMap> {
     find(name)?.run(device, inputs, scalars)
 }

@@ -19,8 +19,7 @@ push_constants! {
         row_stride: u32,
     }
 }
-const _: () =
-    assert!(std::mem::size_of::<ColumnSumPush>() == kernels::column_sum::PUSH_CONSTANT_BYTES);
+const _: () = assert!(std::mem::size_of::<ColumnSumPush>() == kernels::column_sum::PUSH_CONSTANT_BYTES);
 
 /// Rows one workgroup sums (CHUNK_ROWS in the shader).
 const CHUNK_ROWS: usize = 256;
@@ -38,23 +37,14 @@ pub struct Partials {
 }
 
 /// Appends the dispatches that write `output[j] = sum_r partials(r, j)` (f32, fixed order).
-pub fn column_sums(
-    recorded: &mut Recorded,
-    gpu: &dyn Gpu,
-    op: &str,
-    partials: Partials,
-    output: u32,
-) -> Result<()> {
+pub fn column_sums(recorded: &mut Recorded, gpu: &dyn Gpu, op: &str, partials: Partials, output: u32) -> Result<()> {
     let mut current = partials;
     loop {
         let chunks = current.rows.div_ceil(CHUNK_ROWS);
         if chunks > 65535 {
             return Err(Error::unsupported(
                 op,
-                format!(
-                    "a reduction over {} rows exceeds the grid limit",
-                    current.rows
-                ),
+                format!("a reduction over {} rows exceeds the grid limit", current.rows),
             ));
         }
         let target = if chunks == 1 {
@@ -70,26 +60,12 @@ pub fn column_sums(
             input_offset: current.offset as u32,
             row_stride: current.row_stride as u32,
         };
-        let groups = [
-            current.cols.div_ceil(COLUMNS_PER_GROUP) as u32,
-            chunks as u32,
-            1,
-        ];
-        recorded.dispatches.push(Dispatch::new(
-            kernels::column_sum::COLUMN_SUM,
-            groups,
-            &push,
-        )?);
+        let groups = [current.cols.div_ceil(COLUMNS_PER_GROUP) as u32, chunks as u32, 1];
+        recorded.dispatches.push(Dispatch::new(kernels::column_sum::COLUMN_SUM, groups, &push)?);
         if chunks == 1 {
             return Ok(());
         }
-        current = Partials {
-            slot: target,
-            rows: chunks,
-            cols: current.cols,
-            offset: 0,
-            row_stride: current.cols,
-        };
+        current = Partials { slot: target, rows: chunks, cols: current.cols, offset: 0, row_stride: current.cols };
     }
 }
 
@@ -97,7 +73,6 @@ pub fn column_sums(
 mod tests {
     #[test]
     fn push_layout_matches_reflection() {
-        crate::gpu::check_push_layout::<super::ColumnSumPush>(crate::kernels::column_sum::FILE)
-            .unwrap();
+        crate::gpu::check_push_layout::<super::ColumnSumPush>(crate::kernels::column_sum::FILE).unwrap();
     }
 }

@@ -6,9 +6,7 @@ use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
 use crate::kernels;
 use crate::ops::reduce::{column_sums, Partials};
-use crate::ops::{
-    optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck,
-};
+use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
 use crate::push_constants;
 use crate::random::Rng;
 use crate::tensor::{Scalars, Tensor, TensorMap};
@@ -56,12 +54,7 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<RmsNormPro
     if eps < 0.0 {
         return Err(scalars.error("eps", format!("must be >= 0, got {eps}")));
     }
-    Ok(RmsNormProblem {
-        rows,
-        n,
-        has_weight,
-        eps,
-    })
+    Ok(RmsNormProblem { rows, n, has_weight, eps })
 }
 
 fn push(problem: &RmsNormProblem, inputs: &GpuTensors) -> Result<RmsNormPush> {
@@ -82,11 +75,7 @@ fn push(problem: &RmsNormProblem, inputs: &GpuTensors) -> Result<RmsNormPush> {
 
 /// Per-row inverse rms in f64.
 fn inverse_rms(x: &[f64], n: usize, eps: f32) -> Vec<f64> {
-    x.chunks(n)
-        .map(|row| {
-            1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + f64::from(eps)).sqrt()
-        })
-        .collect()
+    x.chunks(n).map(|row| 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / n as f64 + f64::from(eps)).sqrt()).collect()
 }
 
 /// `rmsnorm_fwd`.
@@ -110,10 +99,7 @@ impl OpDef for RmsNormFwd {
         });
         let mut out = TensorMap::new();
         out.insert("y".into(), y);
-        out.insert(
-            "rstd".into(),
-            Tensor::new(vec![p.rows], rstd).expect("rows values"),
-        );
+        out.insert("rstd".into(), Tensor::new(vec![p.rows], rstd).expect("rows values"));
         out
     }
 
@@ -122,11 +108,7 @@ impl OpDef for RmsNormFwd {
         let mut push = push(p, inputs)?;
         push.y = recorded.output(gpu, Self::NAME, "y", vec![p.rows, p.n])?;
         push.rstd = recorded.output(gpu, Self::NAME, "rstd", vec![p.rows])?;
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::rmsnorm::RMSNORM_FWD,
-            p.rows as u64,
-            &push,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(kernels::rmsnorm::RMSNORM_FWD, p.rows as u64, &push)?);
         Ok(recorded)
     }
 
@@ -171,15 +153,9 @@ impl OpDef for RmsNormBwd {
             }
         }
         let mut out = TensorMap::new();
-        out.insert(
-            "dx".into(),
-            Tensor::new(vec![p.rows, p.n], dx).expect("rows*n values"),
-        );
+        out.insert("dx".into(), Tensor::new(vec![p.rows, p.n], dx).expect("rows*n values"));
         if p.has_weight {
-            out.insert(
-                "dweight".into(),
-                Tensor::new(vec![p.n], dweight).expect("n values"),
-            );
+            out.insert("dweight".into(), Tensor::new(vec![p.n], dweight).expect("n values"));
         }
         out
     }
@@ -190,23 +166,12 @@ impl OpDef for RmsNormBwd {
         push.dx = recorded.output(gpu, Self::NAME, "dx", vec![p.rows, p.n])?;
         let blocks = p.rows.div_ceil(p.rows_per_block());
         if p.has_weight {
-            push.dweight_partial =
-                recorded.scratch(gpu, Self::NAME, "dweight partials", blocks * p.n)?;
+            push.dweight_partial = recorded.scratch(gpu, Self::NAME, "dweight partials", blocks * p.n)?;
         }
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::rmsnorm::RMSNORM_BWD,
-            blocks as u64,
-            &push,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(kernels::rmsnorm::RMSNORM_BWD, blocks as u64, &push)?);
         if p.has_weight {
             let dweight = recorded.output(gpu, Self::NAME, "dweight", vec![p.n])?;
-            let partials = Partials {
-                slot: push.dweight_partial,
-                rows: blocks,
-                cols: p.n,
-                offset: 0,
-                row_stride: p.n,
-            };
+            let partials = Partials { slot: push.dweight_partial, rows: blocks, cols: p.n, offset: 0, row_stride: p.n };
             column_sums(&mut recorded, gpu, Self::NAME, partials, dweight)?;
         }
         Ok(recorded)
@@ -232,13 +197,7 @@ fn example_size(size: ExampleSize) -> (usize, usize) {
 }
 
 /// Random inputs for `rmsnorm_fwd` (and, with `backward`, `rmsnorm_bwd`).
-pub fn example_inputs(
-    rows: usize,
-    n: usize,
-    weight: bool,
-    backward: bool,
-    seed: u64,
-) -> (TensorMap, Scalars) {
+pub fn example_inputs(rows: usize, n: usize, weight: bool, backward: bool, seed: u64) -> (TensorMap, Scalars) {
     let mut rng = Rng::new(seed);
     let mut inputs = TensorMap::new();
     inputs.insert("x".into(), rng.normal_tensor(vec![rows, n], 1.0));
@@ -265,26 +224,15 @@ mod tests {
     fn reference_backward_matches_finite_differences() {
         for &(rows, n, weight) in &[(3, 5, true), (2, 7, false), (1, 1, true)] {
             let (inputs, _) = example_inputs(rows, n, weight, true, 7);
-            let wide: TensorMap<f64> = inputs
-                .iter()
-                .map(|(k, v)| (k.clone(), v.to_f64()))
-                .collect();
-            let p = RmsNormProblem {
-                rows,
-                n,
-                has_weight: weight,
-                eps: 1e-5,
-            };
+            let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+            let p = RmsNormProblem { rows, n, has_weight: weight, eps: 1e-5 };
             let mut weights = TensorMap::new();
             weights.insert("y".to_string(), wide["dy"].clone());
             let loss = |i: &TensorMap<f64>| weighted_sum(&RmsNormFwd::reference(&p, i), &weights);
             let grads = RmsNormBwd::reference(&p, &wide);
             let names: &[&str] = if weight { &["x", "weight"] } else { &["x"] };
             let (error, at) = finite_difference_error(&loss, &wide, &grads, names, 64, 1e-6);
-            assert!(
-                error < 1e-6,
-                "rows {rows} n {n} weight {weight}: {error:e} at {at}"
-            );
+            assert!(error < 1e-6, "rows {rows} n {n} weight {weight}: {error:e} at {at}");
         }
     }
 }

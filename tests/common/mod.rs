@@ -23,9 +23,7 @@ pub fn device(kind: BackendKind) -> Option<Device> {
     match cell.get_or_init(|| Device::open(kind).map_err(|e| e.to_string())) {
         Ok(device) => Some(device.clone()),
         Err(reason) => {
-            if kind == BackendKind::Vulkan
-                && std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v == "1")
-            {
+            if kind == BackendKind::Vulkan && std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v == "1") {
                 panic!("{REQUIRE_VULKAN_ENV}=1 but the Vulkan backend is unavailable: {reason}");
             }
             eprintln!("skipped: {kind} backend unavailable: {reason}");
@@ -38,12 +36,7 @@ pub fn device(kind: BackendKind) -> Option<Device> {
 pub fn assert_no_validation_messages(device: &Device) {
     if let Some(vulkan) = device.vulkan_backend() {
         let messages = vulkan.validation_messages();
-        assert!(
-            messages.is_empty(),
-            "{} validation message(s), first: {}",
-            messages.len(),
-            messages[0]
-        );
+        assert!(messages.is_empty(), "{} validation message(s), first: {}", messages.len(), messages[0]);
     }
 }
 
@@ -92,10 +85,9 @@ pub fn check_against_reference(
     tolerance: &dyn Fn(&str) -> f64,
     case: &str,
 ) -> TensorMap {
-    let got = ops::run(device, op, inputs, scalars)
-        .unwrap_or_else(|e| panic!("{op} [{case}] on {}: {e}", device.kind()));
-    let want = ops::run(&Device::cpu(), op, inputs, scalars)
-        .unwrap_or_else(|e| panic!("{op} [{case}] reference: {e}"));
+    let got =
+        ops::run(device, op, inputs, scalars).unwrap_or_else(|e| panic!("{op} [{case}] on {}: {e}", device.kind()));
+    let want = ops::run(&Device::cpu(), op, inputs, scalars).unwrap_or_else(|e| panic!("{op} [{case}] reference: {e}"));
     let got_names: Vec<&String> = got.keys().collect();
     let want_names: Vec<&String> = want.keys().collect();
     assert_eq!(got_names, want_names, "{op} [{case}]: outputs differ");
@@ -113,45 +105,24 @@ pub fn check_against_reference(
 }
 
 /// Runs `op` `runs` times; every output must be bitwise identical to the first run's.
-pub fn assert_deterministic(
-    device: &Device,
-    op: &str,
-    inputs: &TensorMap,
-    scalars: &Scalars,
-    runs: usize,
-) {
+pub fn assert_deterministic(device: &Device, op: &str, inputs: &TensorMap, scalars: &Scalars, runs: usize) {
     let first = ops::run(device, op, inputs, scalars).unwrap_or_else(|e| panic!("{op}: {e}"));
     for run in 1..runs {
         let again = ops::run(device, op, inputs, scalars).unwrap_or_else(|e| panic!("{op}: {e}"));
         for (name, tensor) in &first {
-            assert!(
-                bitwise_equal(tensor, &again[name]),
-                "{op} on {}: `{name}` differs in run {run}",
-                device.kind()
-            );
+            assert!(bitwise_equal(tensor, &again[name]), "{op} on {}: `{name}` differs in run {run}", device.kind());
         }
     }
 }
 
 /// The op must refuse the input with an error whose message contains every one of `needles`.
-pub fn assert_refused(
-    device: &Device,
-    op: &str,
-    inputs: &TensorMap,
-    scalars: &Scalars,
-    needles: &[&str],
-) {
+pub fn assert_refused(device: &Device, op: &str, inputs: &TensorMap, scalars: &Scalars, needles: &[&str]) {
     match ops::run(device, op, inputs, scalars) {
-        Ok(_) => panic!(
-            "{op} accepted input that should be refused (expected an error mentioning {needles:?})"
-        ),
+        Ok(_) => panic!("{op} accepted input that should be refused (expected an error mentioning {needles:?})"),
         Err(error) => {
             let text = error.to_string();
             for needle in needles {
-                assert!(
-                    text.contains(needle),
-                    "{op}: error {text:?} does not mention {needle:?}"
-                );
+                assert!(text.contains(needle), "{op}: error {text:?} does not mention {needle:?}");
             }
         }
     }

@@ -12,9 +12,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ash::vk;
-use gpu_allocator::vulkan::{
-    Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc,
-};
+use gpu_allocator::vulkan::{Allocation, AllocationCreateDesc, AllocationScheme, Allocator, AllocatorCreateDesc};
 use gpu_allocator::MemoryLocation;
 
 use crate::error::{Error, Result};
@@ -32,10 +30,7 @@ const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
 const MAX_SLOTS: u32 = 16384;
 
 fn vk_error(call: &'static str) -> impl Fn(vk::Result) -> Error {
-    move |result| Error::Vulkan {
-        call,
-        result: format!("{result:?}"),
-    }
+    move |result| Error::Vulkan { call, result: format!("{result:?}") }
 }
 
 /// One physical device as `devices` reports it.
@@ -62,18 +57,15 @@ unsafe extern "system" fn debug_callback(
     data: *const vk::DebugUtilsMessengerCallbackDataEXT<'_>,
     user: *mut c_void,
 ) -> vk::Bool32 {
-    if severity.intersects(
-        vk::DebugUtilsMessageSeverityFlagsEXT::WARNING
-            | vk::DebugUtilsMessageSeverityFlagsEXT::ERROR,
-    ) {
+    if severity
+        .intersects(vk::DebugUtilsMessageSeverityFlagsEXT::WARNING | vk::DebugUtilsMessageSeverityFlagsEXT::ERROR)
+    {
         // SAFETY: the layer passes valid callback data; `user` is the ValidationLog that outlives the messenger.
         let text = unsafe {
             if data.is_null() || (*data).p_message.is_null() {
                 String::from("(no message)")
             } else {
-                CStr::from_ptr((*data).p_message)
-                    .to_string_lossy()
-                    .into_owned()
+                CStr::from_ptr((*data).p_message).to_string_lossy().into_owned()
             }
         };
         eprintln!("[vulkan validation] {text}");
@@ -158,12 +150,7 @@ fn device_kind(kind: vk::PhysicalDeviceType) -> &'static str {
 }
 
 fn version_string(v: u32) -> String {
-    format!(
-        "{}.{}.{}",
-        vk::api_version_major(v),
-        vk::api_version_minor(v),
-        vk::api_version_patch(v)
-    )
+    format!("{}.{}.{}", vk::api_version_major(v), vk::api_version_minor(v), vk::api_version_patch(v))
 }
 
 fn preference(kind: vk::PhysicalDeviceType) -> u32 {
@@ -177,11 +164,7 @@ fn preference(kind: vk::PhysicalDeviceType) -> u32 {
 }
 
 fn c_chars(chars: &[std::ffi::c_char]) -> String {
-    let bytes: Vec<u8> = chars
-        .iter()
-        .take_while(|&&c| c != 0)
-        .map(|&c| c as u8)
-        .collect();
+    let bytes: Vec<u8> = chars.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
     String::from_utf8_lossy(&bytes).into_owned()
 }
 
@@ -203,17 +186,11 @@ struct InstanceParts {
 fn create_instance(validation: bool) -> Result<InstanceParts> {
     let entry = load_entry()?;
     // SAFETY: plain queries on a loaded entry.
-    let api = unsafe { entry.try_enumerate_instance_version() }
-        .ok()
-        .flatten()
-        .unwrap_or(vk::API_VERSION_1_0);
+    let api = unsafe { entry.try_enumerate_instance_version() }.ok().flatten().unwrap_or(vk::API_VERSION_1_0);
     if api < vk::API_VERSION_1_2 {
         return Err(Error::DeviceUnavailable {
             backend: "vulkan",
-            reason: format!(
-                "the Vulkan loader supports API {}, 1.2 or newer is required",
-                version_string(api)
-            ),
+            reason: format!("the Vulkan loader supports API {}, 1.2 or newer is required", version_string(api)),
         });
     }
     let available: Vec<String> = unsafe { entry.enumerate_instance_extension_properties(None) }
@@ -223,10 +200,7 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
         .collect();
     let mut extensions: Vec<*const std::ffi::c_char> = Vec::new();
     let mut flags = vk::InstanceCreateFlags::empty();
-    if available
-        .iter()
-        .any(|e| e == "VK_KHR_portability_enumeration")
-    {
+    if available.iter().any(|e| e == "VK_KHR_portability_enumeration") {
         extensions.push(ash::khr::portability_enumeration::NAME.as_ptr());
         flags |= vk::InstanceCreateFlags::ENUMERATE_PORTABILITY_KHR;
     }
@@ -237,10 +211,7 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
             .iter()
             .map(|l| c_chars(&l.layer_name))
             .collect();
-        if !layer_names
-            .iter()
-            .any(|l| l == "VK_LAYER_KHRONOS_validation")
-        {
+        if !layer_names.iter().any(|l| l == "VK_LAYER_KHRONOS_validation") {
             return Err(Error::DeviceUnavailable {
                 backend: "vulkan",
                 reason: format!(
@@ -256,14 +227,9 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
     let app = vk::ApplicationInfo::default()
         .application_name(app_name)
         .engine_name(app_name)
-        .api_version(if api >= vk::API_VERSION_1_3 {
-            vk::API_VERSION_1_3
-        } else {
-            vk::API_VERSION_1_2
-        });
+        .api_version(if api >= vk::API_VERSION_1_3 { vk::API_VERSION_1_3 } else { vk::API_VERSION_1_2 });
     let enabled_features = [vk::ValidationFeatureEnableEXT::SYNCHRONIZATION_VALIDATION];
-    let mut validation_features =
-        vk::ValidationFeaturesEXT::default().enabled_validation_features(&enabled_features);
+    let mut validation_features = vk::ValidationFeaturesEXT::default().enabled_validation_features(&enabled_features);
     let mut info = vk::InstanceCreateInfo::default()
         .application_info(&app)
         .enabled_extension_names(&extensions)
@@ -287,8 +253,7 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
         let loader = ash::ext::debug_utils::Instance::new(&entry, &instance);
         let messenger_info = vk::DebugUtilsMessengerCreateInfoEXT::default()
             .message_severity(
-                vk::DebugUtilsMessageSeverityFlagsEXT::WARNING
-                    | vk::DebugUtilsMessageSeverityFlagsEXT::ERROR,
+                vk::DebugUtilsMessageSeverityFlagsEXT::WARNING | vk::DebugUtilsMessageSeverityFlagsEXT::ERROR,
             )
             .message_type(
                 vk::DebugUtilsMessageTypeFlagsEXT::GENERAL
@@ -303,30 +268,16 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
     } else {
         (None, None)
     };
-    Ok(InstanceParts {
-        entry,
-        instance,
-        debug,
-        validation: log_ptr,
-    })
+    Ok(InstanceParts { entry, instance, debug, validation: log_ptr })
 }
 
 fn required_features_missing(f12: &vk::PhysicalDeviceVulkan12Features<'_>) -> Vec<String> {
     let mut missing = Vec::new();
     let checks = [
         (f12.runtime_descriptor_array, "runtimeDescriptorArray"),
-        (
-            f12.descriptor_binding_partially_bound,
-            "descriptorBindingPartiallyBound",
-        ),
-        (
-            f12.descriptor_binding_variable_descriptor_count,
-            "descriptorBindingVariableDescriptorCount",
-        ),
-        (
-            f12.descriptor_binding_storage_buffer_update_after_bind,
-            "descriptorBindingStorageBufferUpdateAfterBind",
-        ),
+        (f12.descriptor_binding_partially_bound, "descriptorBindingPartiallyBound"),
+        (f12.descriptor_binding_variable_descriptor_count, "descriptorBindingVariableDescriptorCount"),
+        (f12.descriptor_binding_storage_buffer_update_after_bind, "descriptorBindingStorageBufferUpdateAfterBind"),
     ];
     for (value, name) in checks {
         if value == vk::FALSE {
@@ -338,25 +289,17 @@ fn required_features_missing(f12: &vk::PhysicalDeviceVulkan12Features<'_>) -> Ve
 
 fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
     // SAFETY: queries on a valid instance.
-    let physicals = unsafe { instance.enumerate_physical_devices() }
-        .map_err(vk_error("vkEnumeratePhysicalDevices"))?;
+    let physicals = unsafe { instance.enumerate_physical_devices() }.map_err(vk_error("vkEnumeratePhysicalDevices"))?;
     let mut candidates = Vec::new();
     for (index, &physical) in physicals.iter().enumerate() {
         let mut driver = vk::PhysicalDeviceDriverProperties::default();
         let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut driver);
         unsafe { instance.get_physical_device_properties2(physical, &mut properties2) };
         let properties = properties2.properties;
-        let driver_text = format!(
-            "{} {}",
-            c_chars(&driver.driver_name),
-            c_chars(&driver.driver_info)
-        );
+        let driver_text = format!("{} {}", c_chars(&driver.driver_name), c_chars(&driver.driver_info));
         let mut missing = Vec::new();
         if properties.api_version < vk::API_VERSION_1_2 {
-            missing.push(format!(
-                "Vulkan 1.2 (device offers {})",
-                version_string(properties.api_version)
-            ));
+            missing.push(format!("Vulkan 1.2 (device offers {})", version_string(properties.api_version)));
         } else {
             let mut f12 = vk::PhysicalDeviceVulkan12Features::default();
             let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut f12);
@@ -366,14 +309,8 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
         let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
         let queue_family = families
             .iter()
-            .position(|f| {
-                f.queue_flags.contains(vk::QueueFlags::COMPUTE) && f.timestamp_valid_bits > 0
-            })
-            .or_else(|| {
-                families
-                    .iter()
-                    .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE))
-            })
+            .position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE) && f.timestamp_valid_bits > 0)
+            .or_else(|| families.iter().position(|f| f.queue_flags.contains(vk::QueueFlags::COMPUTE)))
             .map(|i| i as u32);
         match queue_family {
             None => missing.push("a compute queue".into()),
@@ -423,13 +360,7 @@ fn choose(candidates: &[Candidate]) -> Result<usize> {
         if r.missing.is_empty() {
             format!("{}: {} ({})", r.index, r.name, r.kind)
         } else {
-            format!(
-                "{}: {} ({}) lacks {}",
-                r.index,
-                r.name,
-                r.kind,
-                r.missing.join(", ")
-            )
+            format!("{}: {} ({}) lacks {}", r.index, r.name, r.kind, r.missing.join(", "))
         }
     };
     if let Ok(wanted) = std::env::var(DEVICE_ENV) {
@@ -438,27 +369,18 @@ fn choose(candidates: &[Candidate]) -> Result<usize> {
             Ok(index) => candidates.iter().position(|c| c.report.index == index),
             Err(_) => {
                 let needle = wanted.to_lowercase();
-                candidates
-                    .iter()
-                    .position(|c| c.report.name.to_lowercase().contains(&needle))
+                candidates.iter().position(|c| c.report.name.to_lowercase().contains(&needle))
             }
         };
         let index = found.ok_or_else(|| Error::DeviceUnavailable {
             backend: "vulkan",
             reason: format!(
                 "{DEVICE_ENV}={wanted:?} matches no device; devices: {}",
-                candidates
-                    .iter()
-                    .map(describe)
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                candidates.iter().map(describe).collect::<Vec<_>>().join("; ")
             ),
         })?;
         if !candidates[index].report.missing.is_empty() {
-            return Err(Error::DeviceUnavailable {
-                backend: "vulkan",
-                reason: describe(&candidates[index]),
-            });
+            return Err(Error::DeviceUnavailable { backend: "vulkan", reason: describe(&candidates[index]) });
         }
         return Ok(index);
     }
@@ -472,11 +394,7 @@ fn choose(candidates: &[Candidate]) -> Result<usize> {
             backend: "vulkan",
             reason: format!(
                 "no device has the required features; {}",
-                candidates
-                    .iter()
-                    .map(describe)
-                    .collect::<Vec<_>>()
-                    .join("; ")
+                candidates.iter().map(describe).collect::<Vec<_>>().join("; ")
             ),
         })
 }
@@ -485,8 +403,7 @@ impl VulkanGpu {
     /// Opens the device `MAMBA_VK_DEVICE` names, else the first discrete GPU, else an integrated
     /// one, else a CPU device such as lavapipe. Validation follows `MAMBA_VK_VALIDATION`.
     pub fn new() -> Result<Self> {
-        let validation =
-            std::env::var(VALIDATION_ENV).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
+        let validation = std::env::var(VALIDATION_ENV).is_ok_and(|v| v == "1" || v.eq_ignore_ascii_case("true"));
         Self::with_validation(validation)
     }
 
@@ -494,9 +411,7 @@ impl VulkanGpu {
     pub fn with_validation(validation: bool) -> Result<Self> {
         let parts = create_instance(validation)?;
         match Self::open(&parts) {
-            Ok(shared) => Ok(VulkanGpu {
-                shared: Arc::new(shared(parts)),
-            }),
+            Ok(shared) => Ok(VulkanGpu { shared: Arc::new(shared(parts)) }),
             Err(error) => {
                 destroy_instance(parts);
                 Err(error)
@@ -512,39 +427,30 @@ impl VulkanGpu {
         let physical = chosen.physical;
         let queue_family = chosen
             .queue_family
-            .ok_or_else(|| Error::DeviceUnavailable {
-                backend: "vulkan",
-                reason: "no compute queue".into(),
-            })?;
+            .ok_or_else(|| Error::DeviceUnavailable { backend: "vulkan", reason: "no compute queue".into() })?;
         // SAFETY: queries and object creation on a valid instance / device; all create-info
         // pointers outlive the calls.
         let properties = unsafe { instance.get_physical_device_properties(physical) };
         let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
         let mut descriptor_indexing = vk::PhysicalDeviceDescriptorIndexingProperties::default();
-        let mut properties2 =
-            vk::PhysicalDeviceProperties2::default().push_next(&mut descriptor_indexing);
+        let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut descriptor_indexing);
         unsafe { instance.get_physical_device_properties2(physical, &mut properties2) };
         let slot_capacity = MAX_SLOTS
             .min(descriptor_indexing.max_descriptor_set_update_after_bind_storage_buffers)
             .min(descriptor_indexing.max_per_stage_descriptor_update_after_bind_storage_buffers);
 
-        let device_extensions: Vec<String> =
-            unsafe { instance.enumerate_device_extension_properties(physical) }
-                .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
-                .iter()
-                .map(|e| c_chars(&e.extension_name))
-                .collect();
-        let mut extensions: Vec<*const std::ffi::c_char> = Vec::new();
-        if device_extensions
+        let device_extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(physical) }
+            .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
             .iter()
-            .any(|e| e == "VK_KHR_portability_subset")
-        {
+            .map(|e| c_chars(&e.extension_name))
+            .collect();
+        let mut extensions: Vec<*const std::ffi::c_char> = Vec::new();
+        if device_extensions.iter().any(|e| e == "VK_KHR_portability_subset") {
             extensions.push(c"VK_KHR_portability_subset".as_ptr());
         }
         let priorities = [1.0f32];
-        let queue_info = [vk::DeviceQueueCreateInfo::default()
-            .queue_family_index(queue_family)
-            .queue_priorities(&priorities)];
+        let queue_info =
+            [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
         let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
             .runtime_descriptor_array(true)
             .descriptor_binding_partially_bound(true)
@@ -554,51 +460,55 @@ impl VulkanGpu {
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&extensions)
             .push_next(&mut f12);
-        let device = unsafe { instance.create_device(physical, &device_info, None) }
-            .map_err(vk_error("vkCreateDevice"))?;
-        let build = || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
-            let binding_flags = [vk::DescriptorBindingFlags::PARTIALLY_BOUND
-                | vk::DescriptorBindingFlags::VARIABLE_DESCRIPTOR_COUNT
-                | vk::DescriptorBindingFlags::UPDATE_AFTER_BIND];
-            let mut flags_info = vk::DescriptorSetLayoutBindingFlagsCreateInfo::default().binding_flags(&binding_flags);
-            let bindings = [vk::DescriptorSetLayoutBinding::default()
-                .binding(0)
-                .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                .descriptor_count(slot_capacity)
-                .stage_flags(vk::ShaderStageFlags::COMPUTE)];
-            let layout_info = vk::DescriptorSetLayoutCreateInfo::default()
-                .bindings(&bindings)
-                .flags(vk::DescriptorSetLayoutCreateFlags::UPDATE_AFTER_BIND_POOL)
-                .push_next(&mut flags_info);
-            let set_layout = unsafe { device.create_descriptor_set_layout(&layout_info, None) }
-                .map_err(vk_error("vkCreateDescriptorSetLayout"))?;
-            let ranges = [vk::PushConstantRange::default()
-                .stage_flags(vk::ShaderStageFlags::COMPUTE)
-                .offset(0)
-                .size(MAX_PUSH_CONSTANT_BYTES as u32)];
-            let set_layouts = [set_layout];
-            let pipeline_layout_info =
-                vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts).push_constant_ranges(&ranges);
-            let pipeline_layout = unsafe { device.create_pipeline_layout(&pipeline_layout_info, None) }
-                .map_err(vk_error("vkCreatePipelineLayout"))?;
-            let pool_sizes =
-                [vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(slot_capacity)];
-            let pool_info = vk::DescriptorPoolCreateInfo::default()
-                .pool_sizes(&pool_sizes)
-                .max_sets(1)
-                .flags(vk::DescriptorPoolCreateFlags::UPDATE_AFTER_BIND);
-            let descriptor_pool =
-                unsafe { device.create_descriptor_pool(&pool_info, None) }.map_err(vk_error("vkCreateDescriptorPool"))?;
-            let counts = [slot_capacity];
-            let mut variable = vk::DescriptorSetVariableDescriptorCountAllocateInfo::default().descriptor_counts(&counts);
-            let allocate = vk::DescriptorSetAllocateInfo::default()
-                .descriptor_pool(descriptor_pool)
-                .set_layouts(&set_layouts)
-                .push_next(&mut variable);
-            let descriptor_set = unsafe { device.allocate_descriptor_sets(&allocate) }
-                .map_err(vk_error("vkAllocateDescriptorSets"))?[0];
-            Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
-        };
+        let device =
+            unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
+        let build =
+            || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
+                let binding_flags = [vk::DescriptorBindingFlags::PARTIALLY_BOUND
+                    | vk::DescriptorBindingFlags::VARIABLE_DESCRIPTOR_COUNT
+                    | vk::DescriptorBindingFlags::UPDATE_AFTER_BIND];
+                let mut flags_info =
+                    vk::DescriptorSetLayoutBindingFlagsCreateInfo::default().binding_flags(&binding_flags);
+                let bindings = [vk::DescriptorSetLayoutBinding::default()
+                    .binding(0)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(slot_capacity)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)];
+                let layout_info = vk::DescriptorSetLayoutCreateInfo::default()
+                    .bindings(&bindings)
+                    .flags(vk::DescriptorSetLayoutCreateFlags::UPDATE_AFTER_BIND_POOL)
+                    .push_next(&mut flags_info);
+                let set_layout = unsafe { device.create_descriptor_set_layout(&layout_info, None) }
+                    .map_err(vk_error("vkCreateDescriptorSetLayout"))?;
+                let ranges = [vk::PushConstantRange::default()
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
+                    .offset(0)
+                    .size(MAX_PUSH_CONSTANT_BYTES as u32)];
+                let set_layouts = [set_layout];
+                let pipeline_layout_info =
+                    vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts).push_constant_ranges(&ranges);
+                let pipeline_layout = unsafe { device.create_pipeline_layout(&pipeline_layout_info, None) }
+                    .map_err(vk_error("vkCreatePipelineLayout"))?;
+                let pool_sizes = [vk::DescriptorPoolSize::default()
+                    .ty(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(slot_capacity)];
+                let pool_info = vk::DescriptorPoolCreateInfo::default()
+                    .pool_sizes(&pool_sizes)
+                    .max_sets(1)
+                    .flags(vk::DescriptorPoolCreateFlags::UPDATE_AFTER_BIND);
+                let descriptor_pool = unsafe { device.create_descriptor_pool(&pool_info, None) }
+                    .map_err(vk_error("vkCreateDescriptorPool"))?;
+                let counts = [slot_capacity];
+                let mut variable =
+                    vk::DescriptorSetVariableDescriptorCountAllocateInfo::default().descriptor_counts(&counts);
+                let allocate = vk::DescriptorSetAllocateInfo::default()
+                    .descriptor_pool(descriptor_pool)
+                    .set_layouts(&set_layouts)
+                    .push_next(&mut variable);
+                let descriptor_set = unsafe { device.allocate_descriptor_sets(&allocate) }
+                    .map_err(vk_error("vkAllocateDescriptorSets"))?[0];
+                Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
+            };
         let (set_layout, pipeline_layout, descriptor_pool, descriptor_set) = match build() {
             Ok(v) => v,
             Err(e) => {
@@ -614,16 +524,13 @@ impl VulkanGpu {
             buffer_device_address: false,
             allocation_sizes: Default::default(),
         })
-        .map_err(|e| Error::Allocation {
-            bytes: 0,
-            reason: format!("creating the allocator: {e}"),
-        })?;
+        .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
         let pool_info = vk::CommandPoolCreateInfo::default()
             .queue_family_index(queue_family)
             .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
-        let command_pool = unsafe { device.create_command_pool(&pool_info, None) }
-            .map_err(vk_error("vkCreateCommandPool"))?;
+        let command_pool =
+            unsafe { device.create_command_pool(&pool_info, None) }.map_err(vk_error("vkCreateCommandPool"))?;
         let command_buffer = unsafe {
             device.allocate_command_buffers(
                 &vk::CommandBufferAllocateInfo::default()
@@ -633,8 +540,8 @@ impl VulkanGpu {
             )
         }
         .map_err(vk_error("vkAllocateCommandBuffers"))?[0];
-        let fence = unsafe { device.create_fence(&vk::FenceCreateInfo::default(), None) }
-            .map_err(vk_error("vkCreateFence"))?;
+        let fence =
+            unsafe { device.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(vk_error("vkCreateFence"))?;
 
         let mut driver = vk::PhysicalDeviceDriverProperties::default();
         let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut driver);
@@ -647,19 +554,11 @@ impl VulkanGpu {
             shader_set_hash: SHADER_SET_HASH,
         };
         let cache_path = pipeline_cache::cache_path(&cache_key);
-        let initial = cache_path
-            .as_deref()
-            .and_then(|p| pipeline_cache::load(p, &cache_key))
-            .unwrap_or_default();
+        let initial = cache_path.as_deref().and_then(|p| pipeline_cache::load(p, &cache_key)).unwrap_or_default();
         let pipeline_cache = unsafe {
-            device.create_pipeline_cache(
-                &vk::PipelineCacheCreateInfo::default().initial_data(&initial),
-                None,
-            )
+            device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default().initial_data(&initial), None)
         }
-        .or_else(|_| unsafe {
-            device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None)
-        })
+        .or_else(|_| unsafe { device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None) })
         .map_err(vk_error("vkCreatePipelineCache"))?;
 
         let description = format!(
@@ -670,14 +569,9 @@ impl VulkanGpu {
             chosen.report.driver
         );
         let is_cpu = chosen.device_type == vk::PhysicalDeviceType::CPU;
-        let max_buffer_bytes =
-            u64::from(properties.limits.max_storage_buffer_range).min(u64::from(u32::MAX) - 15);
+        let max_buffer_bytes = u64::from(properties.limits.max_storage_buffer_range).min(u64::from(u32::MAX) - 15);
         let timestamp_bits = families[queue_family as usize].timestamp_valid_bits;
-        let timestamp_mask = if timestamp_bits >= 64 {
-            u64::MAX
-        } else {
-            (1u64 << timestamp_bits) - 1
-        };
+        let timestamp_mask = if timestamp_bits >= 64 { u64::MAX } else { (1u64 << timestamp_bits) - 1 };
         let timestamp_period_ns = f64::from(properties.limits.timestamp_period);
 
         let mut state = State {
@@ -696,13 +590,8 @@ impl VulkanGpu {
             placeholder: vk::Buffer::null(),
             placeholder_allocation: None,
         };
-        let (placeholder, placeholder_allocation) = create_buffer(
-            &device,
-            &mut state.allocator,
-            16,
-            MemoryLocation::GpuOnly,
-            "placeholder",
-        )?;
+        let (placeholder, placeholder_allocation) =
+            create_buffer(&device, &mut state.allocator, 16, MemoryLocation::GpuOnly, "placeholder")?;
         state.placeholder = placeholder;
         state.placeholder_allocation = Some(placeholder_allocation);
         Ok(Box::new(move |parts: InstanceParts| Shared {
@@ -732,11 +621,7 @@ impl VulkanGpu {
     pub fn validation_messages(&self) -> Vec<String> {
         match self.shared.validation {
             // SAFETY: the log lives until Shared drops, which cannot happen while &self exists.
-            Some(log) => unsafe { &*log }
-                .messages
-                .lock()
-                .map(|m| m.clone())
-                .unwrap_or_default(),
+            Some(log) => unsafe { &*log }.messages.lock().map(|m| m.clone()).unwrap_or_default(),
             None => Vec::new(),
         }
     }
@@ -781,8 +666,7 @@ fn create_buffer(
         )
         .sharing_mode(vk::SharingMode::EXCLUSIVE);
     // SAFETY: valid device; the buffer is bound to memory below before any use.
-    let buffer =
-        unsafe { device.create_buffer(&info, None) }.map_err(vk_error("vkCreateBuffer"))?;
+    let buffer = unsafe { device.create_buffer(&info, None) }.map_err(vk_error("vkCreateBuffer"))?;
     let requirements = unsafe { device.get_buffer_memory_requirements(buffer) };
     let allocation = match allocator.allocate(&AllocationCreateDesc {
         name,
@@ -794,15 +678,10 @@ fn create_buffer(
         Ok(a) => a,
         Err(e) => {
             unsafe { device.destroy_buffer(buffer, None) };
-            return Err(Error::Allocation {
-                bytes,
-                reason: e.to_string(),
-            });
+            return Err(Error::Allocation { bytes, reason: e.to_string() });
         }
     };
-    if let Err(e) =
-        unsafe { device.bind_buffer_memory(buffer, allocation.memory(), allocation.offset()) }
-    {
+    if let Err(e) = unsafe { device.bind_buffer_memory(buffer, allocation.memory(), allocation.offset()) } {
         let _ = allocator.free(allocation);
         unsafe { device.destroy_buffer(buffer, None) };
         return Err(vk_error("vkBindBufferMemory")(e));
@@ -812,25 +691,17 @@ fn create_buffer(
 
 /// Whether the host can read and write this allocation directly.
 fn host_coherent(allocation: &Allocation) -> bool {
-    allocation.mapped_ptr().is_some()
-        && allocation
-            .memory_properties()
-            .contains(vk::MemoryPropertyFlags::HOST_COHERENT)
+    allocation.mapped_ptr().is_some() && allocation.memory_properties().contains(vk::MemoryPropertyFlags::HOST_COHERENT)
 }
 
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic while the lock was held (only possible in a test) leaves the state usable.
-        self.state
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn write_descriptor(&self, slot: u32, buffer: vk::Buffer, bytes: u64) {
-        let info = [vk::DescriptorBufferInfo::default()
-            .buffer(buffer)
-            .offset(0)
-            .range(bytes)];
+        let info = [vk::DescriptorBufferInfo::default().buffer(buffer).offset(0).range(bytes)];
         let write = vk::WriteDescriptorSet::default()
             .dst_set(self.descriptor_set)
             .dst_binding(0)
@@ -845,17 +716,13 @@ impl Shared {
         if let Some(&pipeline) = state.pipelines.get(&kernel) {
             return Ok(pipeline);
         }
-        let file = KERNEL_FILES
-            .get(kernel.file)
-            .ok_or_else(|| Error::Dispatch(format!("no kernel file {}", kernel.file)))?;
+        let file =
+            KERNEL_FILES.get(kernel.file).ok_or_else(|| Error::Dispatch(format!("no kernel file {}", kernel.file)))?;
         let module = match state.modules.get(&kernel.file) {
             Some(&m) => m,
             None => {
-                let words: Vec<u32> = file
-                    .spirv
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect();
+                let words: Vec<u32> =
+                    file.spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 let info = vk::ShaderModuleCreateInfo::default().code(&words);
                 // SAFETY: build.rs produced this SPIR-V with slangc.
                 let module = unsafe { self.device.create_shader_module(&info, None) }
@@ -864,23 +731,18 @@ impl Shared {
                 module
             }
         };
-        let entry = file.entry_points.get(kernel.entry).ok_or_else(|| {
-            Error::Dispatch(format!("{} has no entry {}", file.name, kernel.entry))
-        })?;
-        let name = CString::new(entry.name)
-            .map_err(|_| Error::Dispatch(format!("bad entry name {}", entry.name)))?;
+        let entry = file
+            .entry_points
+            .get(kernel.entry)
+            .ok_or_else(|| Error::Dispatch(format!("{} has no entry {}", file.name, kernel.entry)))?;
+        let name = CString::new(entry.name).map_err(|_| Error::Dispatch(format!("bad entry name {}", entry.name)))?;
         let stage = vk::PipelineShaderStageCreateInfo::default()
             .stage(vk::ShaderStageFlags::COMPUTE)
             .module(module)
             .name(&name);
-        let info = [vk::ComputePipelineCreateInfo::default()
-            .stage(stage)
-            .layout(self.pipeline_layout)];
-        let pipeline = unsafe {
-            self.device
-                .create_compute_pipelines(state.pipeline_cache, &info, None)
-        }
-        .map_err(|(_, e)| vk_error("vkCreateComputePipelines")(e))?[0];
+        let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.pipeline_layout)];
+        let pipeline = unsafe { self.device.create_compute_pipelines(state.pipeline_cache, &info, None) }
+            .map_err(|(_, e)| vk_error("vkCreateComputePipelines")(e))?[0];
         state.pipelines.insert(kernel, pipeline);
         state.cache_dirty = true;
         Ok(pipeline)
@@ -909,24 +771,15 @@ impl Shared {
             if state.query_pool != vk::QueryPool::null() {
                 self.device.destroy_query_pool(state.query_pool, None);
             }
-            let info = vk::QueryPoolCreateInfo::default()
-                .query_type(vk::QueryType::TIMESTAMP)
-                .query_count(count);
-            state.query_pool = self
-                .device
-                .create_query_pool(&info, None)
-                .map_err(vk_error("vkCreateQueryPool"))?;
+            let info = vk::QueryPoolCreateInfo::default().query_type(vk::QueryType::TIMESTAMP).query_count(count);
+            state.query_pool = self.device.create_query_pool(&info, None).map_err(vk_error("vkCreateQueryPool"))?;
         }
         state.query_capacity = count;
         Ok(())
     }
 
     /// Records with `record`, submits, waits.
-    fn submit(
-        &self,
-        state: &mut State,
-        record: impl FnOnce(&ash::Device, vk::CommandBuffer),
-    ) -> Result<()> {
+    fn submit(&self, state: &mut State, record: impl FnOnce(&ash::Device, vk::CommandBuffer)) -> Result<()> {
         let cb = state.command_buffer;
         // SAFETY: the command buffer is idle (every submission is waited for) and recorded here only.
         unsafe {
@@ -936,8 +789,7 @@ impl Shared {
             self.device
                 .begin_command_buffer(
                     cb,
-                    &vk::CommandBufferBeginInfo::default()
-                        .flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
+                    &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
                 )
                 .map_err(vk_error("vkBeginCommandBuffer"))?;
             record(&self.device, cb);
@@ -954,18 +806,12 @@ impl Shared {
                 &[],
                 &[],
             );
-            self.device
-                .end_command_buffer(cb)
-                .map_err(vk_error("vkEndCommandBuffer"))?;
+            self.device.end_command_buffer(cb).map_err(vk_error("vkEndCommandBuffer"))?;
             let buffers = [cb];
             let submit = [vk::SubmitInfo::default().command_buffers(&buffers)];
-            self.device
-                .queue_submit(self.queue, &submit, state.fence)
-                .map_err(vk_error("vkQueueSubmit"))?;
+            self.device.queue_submit(self.queue, &submit, state.fence).map_err(vk_error("vkQueueSubmit"))?;
             let waited = self.device.wait_for_fences(&[state.fence], true, u64::MAX);
-            self.device
-                .reset_fences(&[state.fence])
-                .map_err(vk_error("vkResetFences"))?;
+            self.device.reset_fences(&[state.fence]).map_err(vk_error("vkResetFences"))?;
             waited.map_err(vk_error("vkWaitForFences"))?;
         }
         Ok(())
@@ -976,12 +822,7 @@ impl Shared {
             .buffers
             .get(buffer.slot() as usize)
             .and_then(Option::as_ref)
-            .ok_or_else(|| {
-                Error::Dispatch(format!(
-                    "buffer slot {} is not a live Vulkan buffer",
-                    buffer.slot()
-                ))
-            })
+            .ok_or_else(|| Error::Dispatch(format!("buffer slot {} is not a live Vulkan buffer", buffer.slot())))
     }
 
     /// Records the dispatches in order with a full compute barrier between neighbours.
@@ -1018,25 +859,13 @@ impl Shared {
                     0,
                     dispatch.push_bytes(),
                 );
-                device.cmd_dispatch(
-                    cb,
-                    dispatch.groups[0],
-                    dispatch.groups[1],
-                    dispatch.groups[2],
-                );
+                device.cmd_dispatch(cb, dispatch.groups[0], dispatch.groups[1], dispatch.groups[2]);
             }
         }
     }
 
-    fn pipelines_for(
-        &self,
-        state: &mut State,
-        dispatches: &[Dispatch],
-    ) -> Result<Vec<vk::Pipeline>> {
-        let pipelines = dispatches
-            .iter()
-            .map(|d| self.pipeline(state, d.kernel))
-            .collect::<Result<Vec<_>>>()?;
+    fn pipelines_for(&self, state: &mut State, dispatches: &[Dispatch]) -> Result<Vec<vk::Pipeline>> {
+        let pipelines = dispatches.iter().map(|d| self.pipeline(state, d.kernel)).collect::<Result<Vec<_>>>()?;
         self.save_cache(state);
         Ok(pipelines)
     }
@@ -1053,17 +882,11 @@ impl Shared {
             )
         }
         .map_err(vk_error("vkGetQueryPoolResults"))?;
-        Ok(stamps
-            .into_iter()
-            .map(|s| s & self.timestamp_mask)
-            .collect())
+        Ok(stamps.into_iter().map(|s| s & self.timestamp_mask).collect())
     }
 
     fn seconds_between(&self, stamps: &[u64]) -> Vec<f64> {
-        stamps
-            .chunks(2)
-            .map(|p| p[1].wrapping_sub(p[0]) as f64 * self.timestamp_period_ns * 1e-9)
-            .collect()
+        stamps.chunks(2).map(|p| p[1].wrapping_sub(p[0]) as f64 * self.timestamp_period_ns * 1e-9).collect()
     }
 }
 
@@ -1112,8 +935,7 @@ impl Drop for Shared {
             for (_, module) in state.modules.drain() {
                 self.device.destroy_shader_module(module, None);
             }
-            self.device
-                .destroy_pipeline_cache(state.pipeline_cache, None);
+            self.device.destroy_pipeline_cache(state.pipeline_cache, None);
             let entries: Vec<BufferEntry> = state.buffers.drain(..).flatten().collect();
             for entry in entries {
                 self.device.destroy_buffer(entry.buffer, None);
@@ -1129,12 +951,9 @@ impl Drop for Shared {
             self.device.destroy_fence(state.fence, None);
             self.device.destroy_command_pool(state.command_pool, None);
             ManuallyDrop::drop(&mut state.allocator);
-            self.device
-                .destroy_descriptor_pool(self.descriptor_pool, None);
-            self.device
-                .destroy_pipeline_layout(self.pipeline_layout, None);
-            self.device
-                .destroy_descriptor_set_layout(self.set_layout, None);
+            self.device.destroy_descriptor_pool(self.descriptor_pool, None);
+            self.device.destroy_pipeline_layout(self.pipeline_layout, None);
+            self.device.destroy_descriptor_set_layout(self.set_layout, None);
             self.device.destroy_device(None);
             if let Some((loader, messenger)) = &self.debug {
                 loader.destroy_debug_utils_messenger(*messenger, None);
@@ -1170,10 +989,7 @@ impl Gpu for VulkanGpu {
         if bytes > shared.max_buffer_bytes {
             return Err(Error::Allocation {
                 bytes,
-                reason: format!(
-                    "over the device's storage-buffer limit of {} bytes",
-                    shared.max_buffer_bytes
-                ),
+                reason: format!("over the device's storage-buffer limit of {} bytes", shared.max_buffer_bytes),
             });
         }
         let mut state = shared.lock();
@@ -1183,35 +999,23 @@ impl Gpu for VulkanGpu {
                 let next = state.buffers.len() as u32;
                 let capacity = shared.slot_capacity;
                 if next >= capacity {
-                    return Err(Error::Allocation {
-                        bytes,
-                        reason: format!("all {capacity} buffer slots are in use"),
-                    });
+                    return Err(Error::Allocation { bytes, reason: format!("all {capacity} buffer slots are in use") });
                 }
                 state.buffers.push(None);
                 next
             }
         };
         let state = &mut *state;
-        let (buffer, allocation) = match create_buffer(
-            &shared.device,
-            &mut state.allocator,
-            bytes,
-            MemoryLocation::GpuOnly,
-            "tensor",
-        ) {
-            Ok(v) => v,
-            Err(e) => {
-                state.free_slots.push(slot);
-                return Err(e);
-            }
-        };
+        let (buffer, allocation) =
+            match create_buffer(&shared.device, &mut state.allocator, bytes, MemoryLocation::GpuOnly, "tensor") {
+                Ok(v) => v,
+                Err(e) => {
+                    state.free_slots.push(slot);
+                    return Err(e);
+                }
+            };
         shared.write_descriptor(slot, buffer, bytes);
-        state.buffers[slot as usize] = Some(BufferEntry {
-            buffer,
-            allocation,
-            bytes,
-        });
+        state.buffers[slot as usize] = Some(BufferEntry { buffer, allocation, bytes });
         Ok(GpuBuffer::new(slot, elements, shared.clone()))
     }
 
@@ -1231,13 +1035,7 @@ impl Gpu for VulkanGpu {
         if host_coherent(&entry.allocation) {
             if let Some(ptr) = entry.allocation.mapped_ptr() {
                 // SAFETY: the mapping covers the allocation, which is at least `bytes` long; no GPU work is pending.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        bytes.as_ptr(),
-                        ptr.as_ptr() as *mut u8,
-                        bytes.len(),
-                    )
-                };
+                unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), ptr.as_ptr() as *mut u8, bytes.len()) };
                 return Ok(());
             }
         }
@@ -1258,18 +1056,11 @@ impl Gpu for VulkanGpu {
                         cb,
                         staging,
                         target,
-                        &[vk::BufferCopy {
-                            src_offset: 0,
-                            dst_offset: 0,
-                            size,
-                        }],
+                        &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size }],
                     );
                 })
             }
-            None => Err(Error::Allocation {
-                bytes: bytes.len() as u64,
-                reason: "staging memory is not mapped".into(),
-            }),
+            None => Err(Error::Allocation { bytes: bytes.len() as u64, reason: "staging memory is not mapped".into() }),
         };
         // SAFETY: the copy has completed (submit waits).
         unsafe { shared.device.destroy_buffer(staging, None) };
@@ -1287,13 +1078,7 @@ impl Gpu for VulkanGpu {
         if host_coherent(&entry.allocation) {
             if let Some(ptr) = entry.allocation.mapped_ptr() {
                 // SAFETY: all GPU work is complete and made host-visible by the barrier in submit().
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        ptr.as_ptr() as *const u8,
-                        out.as_mut_ptr() as *mut u8,
-                        bytes,
-                    )
-                };
+                unsafe { std::ptr::copy_nonoverlapping(ptr.as_ptr() as *const u8, out.as_mut_ptr() as *mut u8, bytes) };
                 return Ok(out);
             }
         }
@@ -1307,26 +1092,14 @@ impl Gpu for VulkanGpu {
         )?;
         let size = bytes as u64;
         let result = shared.submit(state, |device, cb| unsafe {
-            device.cmd_copy_buffer(
-                cb,
-                source,
-                staging,
-                &[vk::BufferCopy {
-                    src_offset: 0,
-                    dst_offset: 0,
-                    size,
-                }],
-            );
+            device.cmd_copy_buffer(cb, source, staging, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size }]);
         });
         let copied = result.and_then(|_| match staging_allocation.mapped_slice() {
             Some(slice) => {
                 bytemuck::cast_slice_mut::<f32, u8>(&mut out).copy_from_slice(&slice[..bytes]);
                 Ok(())
             }
-            None => Err(Error::Allocation {
-                bytes: size,
-                reason: "staging memory is not mapped".into(),
-            }),
+            None => Err(Error::Allocation { bytes: size, reason: "staging memory is not mapped".into() }),
         });
         // SAFETY: the copy has completed.
         unsafe { shared.device.destroy_buffer(staging, None) };
@@ -1342,9 +1115,7 @@ impl Gpu for VulkanGpu {
         let mut guard = shared.lock();
         let state = &mut *guard;
         let pipelines = shared.pipelines_for(state, dispatches)?;
-        shared.submit(state, |device, cb| {
-            shared.record_dispatches(device, cb, &pipelines, dispatches)
-        })
+        shared.submit(state, |device, cb| shared.record_dispatches(device, cb, &pipelines, dispatches))
     }
 
     fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>> {
@@ -1363,24 +1134,14 @@ impl Gpu for VulkanGpu {
                 }
                 device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r);
                 shared.record_dispatches(device, cb, &pipelines, dispatches);
-                device.cmd_write_timestamp(
-                    cb,
-                    vk::PipelineStageFlags::BOTTOM_OF_PIPE,
-                    pool,
-                    2 * r + 1,
-                );
+                device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r + 1);
             }
         })?;
         let stamps = shared.read_timestamps(state, 2 * repeats)?;
         Ok(shared.seconds_between(&stamps))
     }
 
-    fn time_copy(
-        &self,
-        source: &GpuBuffer,
-        target: &GpuBuffer,
-        repeats: usize,
-    ) -> Result<Vec<f64>> {
+    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>> {
         let shared = &self.shared;
         let repeats = repeats.max(1) as u32;
         let mut guard = shared.lock();
@@ -1396,9 +1157,7 @@ impl Gpu for VulkanGpu {
             for r in 0..repeats {
                 let barrier = [vk::MemoryBarrier::default()
                     .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                    .dst_access_mask(
-                        vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::TRANSFER_READ,
-                    )];
+                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::TRANSFER_READ)];
                 device.cmd_pipeline_barrier(
                     cb,
                     vk::PipelineStageFlags::TRANSFER,
@@ -1409,22 +1168,8 @@ impl Gpu for VulkanGpu {
                     &[],
                 );
                 device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r);
-                device.cmd_copy_buffer(
-                    cb,
-                    src,
-                    dst,
-                    &[vk::BufferCopy {
-                        src_offset: 0,
-                        dst_offset: 0,
-                        size,
-                    }],
-                );
-                device.cmd_write_timestamp(
-                    cb,
-                    vk::PipelineStageFlags::BOTTOM_OF_PIPE,
-                    pool,
-                    2 * r + 1,
-                );
+                device.cmd_copy_buffer(cb, src, dst, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size }]);
+                device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r + 1);
             }
         })?;
         let stamps = shared.read_timestamps(state, 2 * repeats)?;

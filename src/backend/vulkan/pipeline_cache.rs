@@ -29,18 +29,11 @@ pub fn cache_dir() -> Option<PathBuf> {
 
 /// The cache file for one device.
 pub fn cache_path(key: &CacheKey) -> Option<PathBuf> {
-    cache_dir().map(|d| {
-        d.join(format!(
-            "vulkan-pipelines-{:04x}-{:04x}.bin",
-            key.vendor_id, key.device_id
-        ))
-    })
+    cache_dir().map(|d| d.join(format!("vulkan-pipelines-{:04x}-{:04x}.bin", key.vendor_id, key.device_id)))
 }
 
 fn fnv64(bytes: &[u8]) -> u64 {
-    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
-    })
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3))
 }
 
 /// Header + blob.
@@ -73,8 +66,7 @@ pub fn decode(key: &CacheKey, file: &[u8]) -> std::result::Result<Vec<u8>, &'sta
         b.copy_from_slice(&file[i..i + 8]);
         u64::from_le_bytes(b)
     };
-    if u32_at(8) != key.vendor_id || u32_at(12) != key.device_id || u32_at(16) != key.driver_version
-    {
+    if u32_at(8) != key.vendor_id || u32_at(12) != key.device_id || u32_at(16) != key.driver_version {
         return Err("made by another device or driver");
     }
     if file[24..40] != key.pipeline_cache_uuid {
@@ -102,13 +94,8 @@ pub fn load(path: &Path, key: &CacheKey) -> Option<Vec<u8>> {
 
 /// Writes atomically: a temporary file in the same directory, then a rename.
 pub fn store(path: &Path, key: &CacheKey, blob: &[u8]) -> Result<()> {
-    let fail = |reason: String| Error::PipelineCache {
-        path: path.to_path_buf(),
-        reason,
-    };
-    let dir = path
-        .parent()
-        .ok_or_else(|| fail("no parent directory".into()))?;
+    let fail = |reason: String| Error::PipelineCache { path: path.to_path_buf(), reason };
+    let dir = path.parent().ok_or_else(|| fail("no parent directory".into()))?;
     std::fs::create_dir_all(dir).map_err(|e| fail(e.to_string()))?;
     let temporary = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&temporary, encode(key, blob)).map_err(|e| fail(e.to_string()))?;
@@ -120,13 +107,7 @@ mod tests {
     use super::*;
 
     fn key() -> CacheKey {
-        CacheKey {
-            vendor_id: 1,
-            device_id: 2,
-            driver_version: 3,
-            pipeline_cache_uuid: [7; 16],
-            shader_set_hash: 9,
-        }
+        CacheKey { vendor_id: 1, device_id: 2, driver_version: 3, pipeline_cache_uuid: [7; 16], shader_set_hash: 9 }
     }
 
     #[test]
@@ -134,10 +115,7 @@ mod tests {
         let blob = vec![1u8, 2, 3, 4, 5];
         let file = encode(&key(), &blob);
         assert_eq!(decode(&key(), &file).unwrap(), blob);
-        assert!(
-            decode(&key(), &file[..file.len() - 1]).is_err(),
-            "truncated"
-        );
+        assert!(decode(&key(), &file[..file.len() - 1]).is_err(), "truncated");
         assert!(decode(&key(), &file[..10]).is_err(), "truncated header");
         let mut corrupt = file.clone();
         *corrupt.last_mut().unwrap() ^= 0xff;
