@@ -1,0 +1,73 @@
+//! The kernel registry: every entry point of every Slang file has SPIR-V and a CUDA source, and is
+//! reached by some registered op whose small example matches the reference on each backend.
+
+mod common;
+
+use std::collections::BTreeSet;
+
+use mamba_kernels::kernels::KERNEL_FILES;
+use mamba_kernels::ops::{ExampleSize, OPS};
+use mamba_kernels::{BackendKind, Device};
+
+#[test]
+fn every_kernel_file_has_spirv_and_cuda_source() {
+    assert!(!KERNEL_FILES.is_empty());
+    for file in KERNEL_FILES {
+        assert!(file.spirv.len() > 20 && file.spirv.len() % 4 == 0, "{}: SPIR-V missing", file.name);
+        assert_eq!(&file.spirv[..4], &0x0723_0203u32.to_le_bytes(), "{}: not SPIR-V", file.name);
+        assert!(file.push_constant_bytes <= 128, "{}: push constants over 128 bytes", file.name);
+        for entry in file.entry_points {
+            let signature = format!("extern \"C\" __global__ void {}()", entry.name);
+            assert!(file.cuda_source.contains(&signature), "{}: CUDA source lacks {}", file.name, signature);
+        }
+    }
+}
+
+#[test]
+fn op_names_are_unique() {
+    let names: BTreeSet<&str> = OPS.iter().map(|op| op.name()).collect();
+    assert_eq!(names.len(), OPS.len());
+}
+
+/// Each registered op's small example against the reference, on every available GPU backend; and
+/// together the ops' dispatches reach every entry point of every kernel file.
+fn every_entry_point_has_a_parity_case(device: &Device) {
+    let Some(gpu) = device.gpu() else { return };
+    let mut reached = BTreeSet::new();
+    for op in OPS {
+        let (inputs, scalars) = op.example(ExampleSize::Small, 3);
+        let prepared = op.prepare(gpu, &inputs, &scalars).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+        for dispatch in &prepared.recorded.dispatches {
+            reached.insert(dispatch.kernel.label());
+        }
+        common::check_against_reference(
+            device,
+            op.name(),
+            &inputs,
+            &scalars,
+            &|_| common::PARAMETER_GRADIENT,
+            "small example",
+        );
+    }
+    for file in KERNEL_FILES {
+        for (entry, _) in file.entry_points.iter().zip(0..) {
+            let label = format!("{}::{}", file.name, entry.name);
+            assert!(reached.contains(&label), "no registered op dispatches {label}");
+        }
+    }
+}
+
+#[test]
+fn vulkan_every_entry_point_has_a_parity_case() {
+    if let Some(device) = common::device(BackendKind::Vulkan) {
+        every_entry_point_has_a_parity_case(&device);
+        common::assert_no_validation_messages(&device);
+    }
+}
+
+#[test]
+fn cuda_every_entry_point_has_a_parity_case() {
+    if let Some(device) = common::device(BackendKind::Cuda) {
+        every_entry_point_has_a_parity_case(&device);
+    }
+}
