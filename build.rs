@@ -177,35 +177,49 @@ fn rewrite_opsource_language(bytes: &mut [u8]) {
     }
 }
 
+/// The push-constant block of a kernel file. Every entry point takes it as a `uniform` parameter:
+/// Slang lowers that to push constants for SPIR-V and to a by-value kernel argument for CUDA, so
+/// the CUDA backend needs no per-launch copy. All entry points of one file share one struct.
 fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec<(String, u64)>) {
-    let parameters = reflection["parameters"].as_array().cloned().unwrap_or_default();
-    for parameter in parameters {
-        if parameter["binding"]["kind"] == "pushConstantBuffer" {
-            let element = &parameter["type"]["elementType"];
-            let size = element["sizes"]
-                .as_array()
-                .and_then(|s| s.iter().find(|x| x["kind"] == "uniform"))
-                .and_then(|x| x["value"].as_u64())
-                .unwrap_or_else(|| panic!("{stem}: reflection has no push-constant size"));
-            let fields = element["fields"]
-                .as_array()
-                .map(|fields| {
-                    fields
-                        .iter()
-                        .map(|f| {
-                            (
-                                f["name"].as_str().unwrap_or("?").to_string(),
-                                f["binding"]["offset"].as_u64().unwrap_or(u64::MAX),
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            assert!(size <= 128, "{stem}: push constants are {size} bytes; the portable limit is 128");
-            return (size, fields);
+    let globals = reflection["parameters"].as_array().cloned().unwrap_or_default();
+    if globals.iter().any(|p| p["binding"]["kind"] == "pushConstantBuffer") {
+        panic!(
+            "{stem}: declares global push constants; take them as an entry-point parameter instead \
+             (`void entry(..., uniform Push push_constants)`) so that CUDA receives them as a kernel argument"
+        );
+    }
+    let mut layout: Option<(u64, Vec<(String, u64)>)> = None;
+    for entry in reflection["entryPoints"].as_array().cloned().unwrap_or_default() {
+        let name = entry["name"].as_str().unwrap_or("?").to_string();
+        let parameters = entry["parameters"].as_array().cloned().unwrap_or_default();
+        let uniforms: Vec<&serde_json::Value> =
+            parameters.iter().filter(|p| p["binding"]["kind"] == "uniform").collect();
+        if uniforms.len() != 1 {
+            panic!("{stem}::{name}: expected exactly one `uniform` push-constant parameter, found {}", uniforms.len());
+        }
+        let parameter = uniforms[0];
+        let size = parameter["binding"]["size"].as_u64().unwrap_or_else(|| panic!("{stem}::{name}: no size"));
+        let fields: Vec<(String, u64)> = parameter["type"]["fields"]
+            .as_array()
+            .map(|fields| {
+                fields
+                    .iter()
+                    .map(|f| {
+                        (f["name"].as_str().unwrap_or("?").to_string(), f["binding"]["offset"].as_u64().unwrap_or(u64::MAX))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        assert!(size <= 128, "{stem}::{name}: push constants are {size} bytes; the portable limit is 128");
+        match &layout {
+            None => layout = Some((size, fields)),
+            Some(first) => assert!(
+                *first == (size, fields.clone()),
+                "{stem}::{name}: every entry point of a kernel file must take the same push-constant struct"
+            ),
         }
     }
-    (0, Vec::new())
+    layout.unwrap_or_else(|| panic!("{stem}: no entry points"))
 }
 
 fn entry_points(reflection: &serde_json::Value, stem: &str) -> Vec<(String, [u64; 3])> {

@@ -17,7 +17,7 @@ fn every_kernel_file_has_spirv_and_cuda_source() {
         assert_eq!(&file.spirv[..4], &0x0723_0203u32.to_le_bytes(), "{}: not SPIR-V", file.name);
         assert!(file.push_constant_bytes <= 128, "{}: push constants over 128 bytes", file.name);
         for entry in file.entry_points {
-            let signature = format!("extern \"C\" __global__ void {}()", entry.name);
+            let signature = format!("extern \"C\" __global__ void {}(", entry.name);
             assert!(file.cuda_source.contains(&signature), "{}: CUDA source lacks {}", file.name, signature);
         }
     }
