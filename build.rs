@@ -205,7 +205,10 @@ fn push_constant_layout(reflection: &serde_json::Value, stem: &str) -> (u64, Vec
                 fields
                     .iter()
                     .map(|f| {
-                        (f["name"].as_str().unwrap_or("?").to_string(), f["binding"]["offset"].as_u64().unwrap_or(u64::MAX))
+                        (
+                            f["name"].as_str().unwrap_or("?").to_string(),
+                            f["binding"]["offset"].as_u64().unwrap_or(u64::MAX),
+                        )
                     })
                     .collect()
             })

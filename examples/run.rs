@@ -61,6 +61,18 @@ enum Command {
         #[arg(long)]
         small: bool,
     },
+    /// Runs every op's example on several backends and prints the largest difference between
+    /// them and against the CPU reference, per output.
+    Compare {
+        /// Comma-separated GPU backends.
+        #[arg(long, default_value = "vulkan,cuda")]
+        backends: String,
+        /// Use the benchmark sizes (`gpu`), the CPU-device sizes (`cpu-device`) or small ones.
+        #[arg(long, default_value = "small")]
+        size: String,
+    },
+    /// Times compiling or loading every kernel on the CUDA backend (cold when the cache is empty).
+    Startup,
     /// The main job of `make run`: a realistic Mamba-3 preprocess forward and backward on the
     /// default device, checked against the CPU reference and for determinism.
     Demo {
@@ -81,6 +93,8 @@ fn main() -> ExitCode {
             Ok(())
         }
         Command::Bench { backend, ops, repeats, small } => bench(&backend, ops.as_deref(), repeats, small),
+        Command::Compare { backends, size } => compare(&backends, &size),
+        Command::Startup => startup(),
         Command::Demo { backend } => demo(&backend),
     };
     match result {
@@ -276,4 +290,58 @@ fn demo(backend: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+fn compare(backends: &str, size: &str) -> Result<()> {
+    let size = match size {
+        "small" => ExampleSize::Small,
+        "cpu-device" => ExampleSize::CpuDevice,
+        "gpu" => ExampleSize::Gpu,
+        other => bail!("unknown size {other:?}; expected small, cpu-device or gpu"),
+    };
+    let devices: Vec<Device> = backends.split(',').map(|b| open(b.trim())).collect::<Result<_>>()?;
+    for device in &devices {
+        println!("{}: {}", device.kind(), device.description());
+    }
+    let cpu = Device::cpu();
+    println!();
+    println!(
+        "| op | output | max rel diff {} | each vs reference |",
+        devices.iter().map(|d| d.kind().name()).collect::<Vec<_>>().join(" vs ")
+    );
+    println!("|---|---|---:|---|");
+    for op in ops::OPS {
+        let (inputs, scalars) = op.example(size, 7);
+        let reference = op.run(&cpu, &inputs, &scalars)?;
+        let results: Vec<TensorMap> = devices.iter().map(|d| op.run(d, &inputs, &scalars)).collect::<Result<_, _>>()?;
+        for (name, want) in &reference {
+            let between = if results.len() >= 2 { relative_error(&results[1][name], &results[0][name]) } else { 0.0 };
+            let against: Vec<String> =
+                results.iter().map(|r| format!("{:.1e}", relative_error(&r[name], want))).collect();
+            println!("| {} | {name} | {between:.2e} | {} |", op.name(), against.join(", "));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn startup() -> Result<()> {
+    let started = Instant::now();
+    let gpu = mamba_kernels::backend::cuda::CudaGpu::new()?;
+    let opened = started.elapsed();
+    let times = gpu.load_all_kernels()?;
+    println!(
+        "cuda start: device opened in {:.1} ms; {} kernel files ({} compiled with NVRTC, {} from the disk cache) in {:.1} ms",
+        opened.as_secs_f64() * 1e3,
+        times.compiled + times.from_disk + times.from_memory,
+        times.compiled,
+        times.from_disk,
+        times.elapsed.as_secs_f64() * 1e3
+    );
+    Ok(())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn startup() -> Result<()> {
+    bail!("built without the `cuda` feature")
 }

@@ -8,8 +8,19 @@ use std::sync::Arc;
 use crate::error::{Error, Result};
 use crate::gpu::Gpu;
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 #[cfg(feature = "vulkan")]
 pub mod vulkan;
+
+/// Where compiled pipelines and kernels are kept between runs: `$MAMBA_CACHE_DIR`, else the
+/// user's cache directory joined with `mamba-kernels`.
+pub fn cache_dir() -> Option<std::path::PathBuf> {
+    if let Some(dir) = std::env::var_os("MAMBA_CACHE_DIR") {
+        return Some(std::path::PathBuf::from(dir));
+    }
+    dirs::cache_dir().map(|d| d.join("mamba-kernels"))
+}
 
 /// Which backend runs an op.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -78,11 +89,27 @@ impl Device {
         match kind {
             BackendKind::Cpu => Ok(Device::cpu()),
             BackendKind::Vulkan => Self::vulkan(),
-            BackendKind::Cuda => Err(Error::DeviceUnavailable {
-                backend: "cuda",
-                reason: "this build has no CUDA backend (build with `--features cuda`)".into(),
-            }),
+            BackendKind::Cuda => Self::cuda(),
         }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda() -> Result<Self> {
+        let gpu = Arc::new(cuda::CudaGpu::new()?);
+        Ok(Device {
+            kind: BackendKind::Cuda,
+            gpu: Some(gpu as Arc<dyn Gpu>),
+            #[cfg(feature = "vulkan")]
+            vulkan: None,
+        })
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    fn cuda() -> Result<Self> {
+        Err(Error::DeviceUnavailable {
+            backend: "cuda",
+            reason: "this build has no CUDA backend (build with `--features cuda`)".into(),
+        })
     }
 
     #[cfg(feature = "vulkan")]

@@ -19,13 +19,7 @@ pub struct CacheKey {
     pub shader_set_hash: u64,
 }
 
-/// `$MAMBA_CACHE_DIR`, else the user's cache directory, joined with `mamba-kernels`.
-pub fn cache_dir() -> Option<PathBuf> {
-    if let Some(dir) = std::env::var_os("MAMBA_CACHE_DIR") {
-        return Some(PathBuf::from(dir));
-    }
-    dirs::cache_dir().map(|d| d.join("mamba-kernels"))
-}
+pub use crate::backend::cache_dir;
 
 /// The cache file for one device.
 pub fn cache_path(key: &CacheKey) -> Option<PathBuf> {

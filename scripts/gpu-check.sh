@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Runs on the H200 through the device tool, from the repository root, with .device/ (made by
+# scripts/build-gpu-bundle.sh) and .gl/ carried. Builds nothing. Prints: the devices, the parity
+# suite on Vulkan (NVIDIA driver) and CUDA, the largest difference between the two backends per op,
+# the CUDA cold and warm start, and the benchmark tables. Logs go to $OUT when it is set.
+#   usage: scripts/gpu-check.sh [suite] [compare] [bench] [sanitize]   (default: all but sanitize)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+steps="${*:-suite compare bench}"
+run=.device/release/examples/run
+out="${OUT:-/tmp}"
+
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
+  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
+nvrtc=$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | grep -v alt | head -1)
+[ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+export MAMBA_CACHE_DIR=/tmp/mamba-cache
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
+"$run" devices
+
+for step in $steps; do
+  case "$step" in
+    suite)
+      echo "== parity suite (Vulkan required, CUDA run) =="
+      for t in .device/release/deps/*; do
+        MAMBA_REQUIRE_VULKAN=1 "$t" --test-threads 4 >"$out/suite-$(basename "$t").log" 2>&1
+        echo "$(basename "$t"): $(grep -E '^test result' "$out/suite-$(basename "$t").log" | tail -1)"
+        grep -E 'panicked|FAILED|skipped' "$out/suite-$(basename "$t").log" | sort | uniq -c | head -20
+      done ;;
+    compare)
+      echo "== Vulkan vs CUDA, largest relative difference per output =="
+      "$run" compare --backends vulkan,cuda --size small
+      echo "== CUDA start: cold (empty cache), then warm (new process) =="
+      rm -rf /tmp/mamba-cache-cold
+      MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup
+      MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup ;;
+    bench)
+      echo "== bench: Vulkan =="
+      "$run" bench --backend vulkan --repeats 30
+      echo "== bench: CUDA =="
+      "$run" bench --backend cuda --repeats 30 ;;
+    sanitize)
+      echo "== compute-sanitizer (memcheck, racecheck) on the CUDA backend =="
+      for tool in memcheck racecheck; do
+        compute-sanitizer --tool "$tool" --print-limit 10 "$run" compare --backends cuda --size small 2>&1 | tail -4
+      done ;;
+  esac
+done
