@@ -202,18 +202,6 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-/// Device-to-device copy bandwidth (bytes read + written per second): the ceiling of memory-bound ops.
-fn copy_bandwidth(gpu: &dyn mamba_kernels::gpu::Gpu, repeats: usize) -> Result<f64> {
-    let bytes = if gpu.is_cpu() { 64u64 << 20 } else { 1u64 << 30 }.min(gpu.max_buffer_bytes() / 2);
-    let elements = (bytes / 4) as usize;
-    let source = gpu.alloc(elements)?;
-    let target = gpu.alloc(elements)?;
-    gpu.upload(&source, &vec![1.0f32; elements])?;
-    gpu.time_copy(&source, &target, 2)?;
-    let mut times = gpu.time_copy(&source, &target, repeats)?;
-    Ok(2.0 * bytes as f64 / median(&mut times))
-}
-
 fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Result<()> {
     let device = open(backend)?;
     let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
@@ -222,7 +210,7 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Res
         None => ops::OPS.to_vec(),
         Some(list) => list.split(',').map(|n| ops::find(n.trim())).collect::<Result<_, _>>()?,
     };
-    let copy = copy_bandwidth(gpu, repeats)?;
+    let copy = mamba_kernels::gpu::copy_bandwidth(gpu, repeats)?;
     println!("device: {}", device.description());
     println!("copy bandwidth (read+write): {:.1} GB/s; sizes: {size:?}; median of {repeats} runs", copy / 1e9);
     println!();

@@ -35,8 +35,6 @@ pub trait Gpu: Send + Sync {
     fn run(&self, dispatches: &[Dispatch]) -> Result<()>;
     /// Runs the dispatches `repeats` times in one submission; returns the GPU seconds of each repetition.
     fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>>;
-    /// Times `repeats` device-to-device copies of `source` into `target` (the bandwidth ceiling).
-    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>>;
 }
 
 /// Frees a buffer slot when its [`GpuBuffer`] is dropped.
@@ -163,4 +161,38 @@ impl Dispatch {
     pub fn push_bytes(&self) -> &[u8] {
         &self.push[..self.push_len]
     }
+}
+
+crate::push_constants! {
+    /// Push constants of `copy.slang`.
+    pub struct CopyPush {
+        source: u32,
+        target: u32,
+        vectors: u32,
+        total_threads: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<CopyPush>() == crate::kernels::copy::PUSH_CONSTANT_BYTES);
+
+/// The copy dispatch `copy_bandwidth` times: `elements` floats (a multiple of 4) from `source` to `target`.
+pub fn copy_dispatch(source: &GpuBuffer, target: &GpuBuffer) -> Result<Dispatch> {
+    let vectors = (source.elements().min(target.elements()) / 4) as u32;
+    let groups = 132 * 16; // enough resident workgroups for any current GPU; grid-stride beyond that
+    let push = CopyPush { source: source.slot(), target: target.slot(), vectors, total_threads: groups * 256 };
+    Dispatch::new(crate::kernels::copy::COPY_F32X4, [groups, 1, 1], &push)
+}
+
+/// Device-to-device copy bandwidth in bytes per second (read + written) through the shader cores:
+/// the ceiling memory-bound ops are measured against. Median of `repeats` timed copies.
+pub fn copy_bandwidth(gpu: &dyn Gpu, repeats: usize) -> Result<f64> {
+    let bytes = if gpu.is_cpu() { 64u64 << 20 } else { 1u64 << 30 }.min(gpu.max_buffer_bytes() / 2);
+    let elements = (bytes / 16 * 4) as usize;
+    let source = gpu.alloc(elements)?;
+    let target = gpu.alloc(elements)?;
+    gpu.upload(&source, &vec![1.0f32; elements])?;
+    let copy = [copy_dispatch(&source, &target)?];
+    gpu.time(&copy, 2)?;
+    let mut times = gpu.time(&copy, repeats.max(1))?;
+    times.sort_by(|a, b| a.total_cmp(b));
+    Ok(2.0 * (elements * 4) as f64 / times[times.len() / 2])
 }

@@ -49,6 +49,15 @@ fn every_entry_point_has_a_parity_case(device: &Device) {
             "small example",
         );
     }
+    // The bandwidth ceiling's copy kernel: it must copy exactly.
+    let values: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let source = gpu.alloc(values.len()).expect("alloc");
+    let target = gpu.alloc(values.len()).expect("alloc");
+    gpu.upload(&source, &values).expect("upload");
+    let copy = mamba_kernels::gpu::copy_dispatch(&source, &target).expect("copy dispatch");
+    reached.insert(copy.kernel.label());
+    gpu.run(&[copy]).expect("copy");
+    assert_eq!(gpu.download(&target).expect("download"), values);
     for file in KERNEL_FILES {
         for (entry, _) in file.entry_points.iter().zip(0..) {
             let label = format!("{}::{}", file.name, entry.name);

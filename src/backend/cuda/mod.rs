@@ -525,17 +525,4 @@ impl Gpu for CudaGpu {
         let state = &*state;
         shared.timed(&events, &|| shared.launch(state, dispatches))
     }
-
-    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>> {
-        let shared = &self.shared;
-        let mut state = shared.lock()?;
-        let (src, src_bytes) = shared.buffer(&state, source)?;
-        let (dst, dst_bytes) = shared.buffer(&state, target)?;
-        let size = src_bytes.min(dst_bytes) as usize;
-        let stream = shared.stream;
-        let events = shared.events(&mut state, 2 * repeats.max(1))?;
-        // SAFETY: both buffers are live and at least `size` bytes long.
-        shared
-            .timed(&events, &|| check("cuMemcpyDtoDAsync", unsafe { cu::cuMemcpyDtoDAsync_v2(dst, src, size, stream) }))
-    }
 }

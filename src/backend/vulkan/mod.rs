@@ -80,7 +80,6 @@ unsafe extern "system" fn debug_callback(
 struct BufferEntry {
     buffer: vk::Buffer,
     allocation: Allocation,
-    bytes: u64,
 }
 
 struct State {
@@ -1015,7 +1014,7 @@ impl Gpu for VulkanGpu {
                 }
             };
         shared.write_descriptor(slot, buffer, bytes);
-        state.buffers[slot as usize] = Some(BufferEntry { buffer, allocation, bytes });
+        state.buffers[slot as usize] = Some(BufferEntry { buffer, allocation });
         Ok(GpuBuffer::new(slot, elements, shared.clone()))
     }
 
@@ -1134,41 +1133,6 @@ impl Gpu for VulkanGpu {
                 }
                 device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r);
                 shared.record_dispatches(device, cb, &pipelines, dispatches);
-                device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r + 1);
-            }
-        })?;
-        let stamps = shared.read_timestamps(state, 2 * repeats)?;
-        Ok(shared.seconds_between(&stamps))
-    }
-
-    fn time_copy(&self, source: &GpuBuffer, target: &GpuBuffer, repeats: usize) -> Result<Vec<f64>> {
-        let shared = &self.shared;
-        let repeats = repeats.max(1) as u32;
-        let mut guard = shared.lock();
-        let state = &mut *guard;
-        let src = shared.check_buffer(state, source)?;
-        let dst = shared.check_buffer(state, target)?;
-        let size = src.bytes.min(dst.bytes);
-        let (src, dst) = (src.buffer, dst.buffer);
-        shared.ensure_queries(state, 2 * repeats)?;
-        let pool = state.query_pool;
-        shared.submit(state, |device, cb| unsafe {
-            device.cmd_reset_query_pool(cb, pool, 0, 2 * repeats);
-            for r in 0..repeats {
-                let barrier = [vk::MemoryBarrier::default()
-                    .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE | vk::AccessFlags::TRANSFER_READ)];
-                device.cmd_pipeline_barrier(
-                    cb,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::DependencyFlags::empty(),
-                    &barrier,
-                    &[],
-                    &[],
-                );
-                device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r);
-                device.cmd_copy_buffer(cb, src, dst, &[vk::BufferCopy { src_offset: 0, dst_offset: 0, size }]);
                 device.cmd_write_timestamp(cb, vk::PipelineStageFlags::BOTTOM_OF_PIPE, pool, 2 * r + 1);
             }
         })?;
