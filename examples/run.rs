@@ -326,6 +326,9 @@ fn startup() -> Result<()> {
         times.from_disk,
         times.elapsed.as_secs_f64() * 1e3
     );
+    for (kernel, registers, local, shared) in gpu.kernel_resources()? {
+        println!("  {kernel}: {registers} registers, {local} bytes local (spill), {shared} bytes shared");
+    }
     Ok(())
 }
 

@@ -216,6 +216,33 @@ impl CudaGpu {
         Ok(times)
     }
 
+    /// Registers, local (spill) bytes and static shared bytes of every loaded entry point.
+    pub fn kernel_resources(&self) -> Result<Vec<(String, i32, i32, i32)>> {
+        let shared = &self.shared;
+        let state = shared.lock()?;
+        let mut rows = Vec::new();
+        let mut files: Vec<&usize> = state.modules.keys().collect();
+        files.sort();
+        for &index in files {
+            let loaded = &state.modules[&index];
+            for (entry, &function) in KERNEL_FILES[index].entry_points.iter().zip(&loaded.functions) {
+                let attribute = |a: cu::CUfunction_attribute| -> Result<i32> {
+                    let mut value = 0;
+                    // SAFETY: a function of a loaded module.
+                    check("cuFuncGetAttribute", unsafe { cu::cuFuncGetAttribute(&mut value, a, function) })?;
+                    Ok(value)
+                };
+                rows.push((
+                    format!("{}::{}", KERNEL_FILES[index].name, entry.name),
+                    attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_NUM_REGS)?,
+                    attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?,
+                    attribute(cu::CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)?,
+                ));
+            }
+        }
+        Ok(rows)
+    }
+
     /// The architecture kernels are compiled for, e.g. `sm_90`.
     pub fn arch(&self) -> &str {
         &self.shared.arch

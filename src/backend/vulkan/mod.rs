@@ -24,6 +24,9 @@ use pipeline_cache::CacheKey;
 pub const DEVICE_ENV: &str = "MAMBA_VK_DEVICE";
 /// Set to 1 to enable the Khronos validation layer with synchronisation validation.
 pub const VALIDATION_ENV: &str = "MAMBA_VK_VALIDATION";
+/// Set to 1 to print each pipeline's compiler statistics (registers, spills, shared memory) on
+/// creation, where the driver offers VK_KHR_pipeline_executable_properties.
+pub const PIPELINE_STATS_ENV: &str = "MAMBA_VK_PIPELINE_STATS";
 
 const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
 /// Upper bound on live buffers (bindless slots).
@@ -107,6 +110,7 @@ struct Shared {
     device: ash::Device,
     queue: vk::Queue,
     description: String,
+    statistics: Option<ash::khr::pipeline_executable_properties::Device>,
     is_cpu: bool,
     max_buffer_bytes: u64,
     slot_capacity: u32,
@@ -447,6 +451,13 @@ impl VulkanGpu {
         if device_extensions.iter().any(|e| e == "VK_KHR_portability_subset") {
             extensions.push(c"VK_KHR_portability_subset".as_ptr());
         }
+        let pipeline_stats = std::env::var(PIPELINE_STATS_ENV).is_ok_and(|v| v == "1")
+            && device_extensions.iter().any(|e| e == "VK_KHR_pipeline_executable_properties");
+        if pipeline_stats {
+            extensions.push(ash::khr::pipeline_executable_properties::NAME.as_ptr());
+        }
+        let mut executable_properties =
+            vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
         let priorities = [1.0f32];
         let queue_info =
             [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
@@ -455,10 +466,13 @@ impl VulkanGpu {
             .descriptor_binding_partially_bound(true)
             .descriptor_binding_variable_descriptor_count(true)
             .descriptor_binding_storage_buffer_update_after_bind(true);
-        let device_info = vk::DeviceCreateInfo::default()
+        let mut device_info = vk::DeviceCreateInfo::default()
             .queue_create_infos(&queue_info)
             .enabled_extension_names(&extensions)
             .push_next(&mut f12);
+        if pipeline_stats {
+            device_info = device_info.push_next(&mut executable_properties);
+        }
         let device =
             unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
         let build =
@@ -525,6 +539,7 @@ impl VulkanGpu {
         })
         .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
+        let statistics = pipeline_stats.then(|| ash::khr::pipeline_executable_properties::Device::new(instance, &device));
         let pool_info = vk::CommandPoolCreateInfo::default()
             .queue_family_index(queue_family)
             .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
@@ -601,6 +616,7 @@ impl VulkanGpu {
             device,
             queue,
             description,
+            statistics,
             is_cpu,
             max_buffer_bytes,
             slot_capacity,
@@ -739,9 +755,17 @@ impl Shared {
             .stage(vk::ShaderStageFlags::COMPUTE)
             .module(module)
             .name(&name);
-        let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.pipeline_layout)];
+        let flags = if self.statistics.is_some() {
+            vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+        } else {
+            vk::PipelineCreateFlags::empty()
+        };
+        let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.pipeline_layout).flags(flags)];
         let pipeline = unsafe { self.device.create_compute_pipelines(state.pipeline_cache, &info, None) }
             .map_err(|(_, e)| vk_error("vkCreateComputePipelines")(e))?[0];
+        if let Some(loader) = &self.statistics {
+            eprintln!("[pipeline stats] {}: {}", kernel.label(), pipeline_statistics(loader, pipeline));
+        }
         state.pipelines.insert(kernel, pipeline);
         state.cache_dirty = true;
         Ok(pipeline)
@@ -887,6 +911,30 @@ impl Shared {
     fn seconds_between(&self, stamps: &[u64]) -> Vec<f64> {
         stamps.chunks(2).map(|p| p[1].wrapping_sub(p[0]) as f64 * self.timestamp_period_ns * 1e-9).collect()
     }
+}
+
+/// The driver's statistics of a pipeline's executables, as `name=value` pairs.
+fn pipeline_statistics(loader: &ash::khr::pipeline_executable_properties::Device, pipeline: vk::Pipeline) -> String {
+    let info = vk::PipelineInfoKHR::default().pipeline(pipeline);
+    // SAFETY: a pipeline created with CAPTURE_STATISTICS on a device with the extension enabled.
+    let executables = unsafe { loader.get_pipeline_executable_properties(&info) }.unwrap_or_default();
+    let mut parts = Vec::new();
+    for index in 0..executables.len() as u32 {
+        let executable = vk::PipelineExecutableInfoKHR::default().pipeline(pipeline).executable_index(index);
+        for statistic in unsafe { loader.get_pipeline_executable_statistics(&executable) }.unwrap_or_default() {
+            // SAFETY: the union member is the one `format` names.
+            let value = unsafe {
+                match statistic.format {
+                    vk::PipelineExecutableStatisticFormatKHR::BOOL32 => statistic.value.b32.to_string(),
+                    vk::PipelineExecutableStatisticFormatKHR::INT64 => statistic.value.i64.to_string(),
+                    vk::PipelineExecutableStatisticFormatKHR::UINT64 => statistic.value.u64.to_string(),
+                    _ => format!("{:.3}", statistic.value.f64),
+                }
+            };
+            parts.push(format!("{}={value}", c_chars(&statistic.name)));
+        }
+    }
+    parts.join(", ")
 }
 
 fn compute_barrier(device: &ash::Device, cb: vk::CommandBuffer) {
