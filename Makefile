@@ -16,7 +16,7 @@ run: setup
 	$(CARGO) run --release --example run -- demo
 
 test: setup
-	$(TEST_ENV) $(CARGO) test --release -- --show-output
+	$(TEST_ENV) $(CARGO) test --release --features cuda -- --show-output
 
 bench: setup
 	$(CARGO) run --release --example run -- bench

@@ -7,14 +7,16 @@ use mamba_kernels::ops::rmsnorm::example_inputs;
 use mamba_kernels::{Device, Tensor};
 
 /// Every value of the matrix appears: rows {1, 7, 256, 1000}; widths {16, 64, 128, 300}
-/// plus widths past one lane stride (1536, 4100); weight on and off.
+/// plus widths past one lane stride (1536, 4099); widths that are and are not multiples of 4 (the
+/// float4 and scalar paths); weight on and off.
 const CASES: &[(usize, usize, bool)] = &[
     (1, 16, true),
     (7, 64, false),
     (256, 128, true),
     (1000, 300, true),
     (7, 1536, false),
-    (3, 4100, true),
+    (3, 4099, true),
+    (9, 33, true),
     (1000, 16, false),
 ];
 

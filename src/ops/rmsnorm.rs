@@ -39,10 +39,10 @@ pub struct RmsNormProblem {
 }
 
 impl RmsNormProblem {
-    /// Rows one backward workgroup handles: a function of the shape alone (it fixes the order in
-    /// which the weight gradient is summed).
+    /// Rows one backward workgroup handles (ROWS_PER_BLOCK in the shader): a constant, so the
+    /// order in which the weight gradient is summed depends on the shape alone.
     pub fn rows_per_block(&self) -> usize {
-        (self.rows / 1024).clamp(1, 16)
+        16
     }
 }
 
@@ -108,7 +108,8 @@ impl OpDef for RmsNormFwd {
         let mut push = push(p, inputs)?;
         push.y = recorded.output(gpu, Self::NAME, "y", vec![p.rows, p.n])?;
         push.rstd = recorded.output(gpu, Self::NAME, "rstd", vec![p.rows])?;
-        recorded.dispatches.push(Dispatch::linear(kernels::rmsnorm::RMSNORM_FWD, p.rows as u64, &push)?);
+        let groups = p.rows.div_ceil(8) as u64; // 8 teams of 32 lanes, one row each
+        recorded.dispatches.push(Dispatch::linear(kernels::rmsnorm::RMSNORM_FWD, groups, &push)?);
         Ok(recorded)
     }
 
