@@ -15,7 +15,7 @@
 
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
-use crate::kernels;
+use crate::kernels::{self, KernelRef};
 use crate::ops::math::{silu, silu_derivative};
 use crate::ops::reduce::{column_sums, Partials};
 use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
@@ -58,6 +58,32 @@ const MAX_ITERS: usize = 4;
 /// Supported kernel widths.
 const MIN_WIDTH: usize = 2;
 const MAX_WIDTH: usize = 8;
+
+/// The entry points by width W = 2 … 8 (one pipeline per width: each holds one unrolled body).
+const FWD_KERNELS: [KernelRef; 7] = {
+    use kernels::causal_conv1d::*;
+    [
+        CAUSAL_CONV1D_FWD_W2,
+        CAUSAL_CONV1D_FWD_W3,
+        CAUSAL_CONV1D_FWD_W4,
+        CAUSAL_CONV1D_FWD_W5,
+        CAUSAL_CONV1D_FWD_W6,
+        CAUSAL_CONV1D_FWD_W7,
+        CAUSAL_CONV1D_FWD_W8,
+    ]
+};
+const BWD_KERNELS: [KernelRef; 7] = {
+    use kernels::causal_conv1d::*;
+    [
+        CAUSAL_CONV1D_BWD_W2,
+        CAUSAL_CONV1D_BWD_W3,
+        CAUSAL_CONV1D_BWD_W4,
+        CAUSAL_CONV1D_BWD_W5,
+        CAUSAL_CONV1D_BWD_W6,
+        CAUSAL_CONV1D_BWD_W7,
+        CAUSAL_CONV1D_BWD_W8,
+    ]
+};
 
 /// Validated sizes and flags of one call.
 #[derive(Clone, Debug)]
@@ -222,7 +248,7 @@ impl OpDef for CausalConv1dFwd {
         let mut push = base_push(p, inputs, Self::NAME)?;
         push.out = recorded.output(gpu, Self::NAME, "out", vec![p.batch, p.dim, p.length])?;
         push.final_states = recorded.output(gpu, Self::NAME, "final_states", vec![p.batch, p.dim, p.halo()])?;
-        let kernel = kernels::causal_conv1d::CAUSAL_CONV1D_FWD;
+        let kernel = FWD_KERNELS[p.width - MIN_WIDTH];
         recorded.dispatches.push(Dispatch::linear(kernel, p.workgroups() as u64, &push)?);
         Ok(recorded)
     }
@@ -322,7 +348,7 @@ impl OpDef for CausalConv1dBwd {
         let partial_rows = p.batch * p.segments();
         let row_stride = p.dim * (p.width + 1);
         push.partials = recorded.scratch(gpu, Self::NAME, "dweight/dbias partials", partial_rows * row_stride)?;
-        let kernel = kernels::causal_conv1d::CAUSAL_CONV1D_BWD;
+        let kernel = BWD_KERNELS[p.width - MIN_WIDTH];
         recorded.dispatches.push(Dispatch::linear(kernel, p.workgroups() as u64, &push)?);
 
         let dweight = recorded.output(gpu, Self::NAME, "dweight", vec![p.dim, p.width])?;
@@ -423,6 +449,17 @@ mod tests {
     #[test]
     fn push_layout_matches_reflection() {
         crate::gpu::check_push_layout::<CausalConv1dPush>(kernels::causal_conv1d::FILE).unwrap();
+    }
+
+    #[test]
+    fn kernels_are_indexed_by_width() {
+        for width in MIN_WIDTH..=MAX_WIDTH {
+            let suffix = format!("_w{width}");
+            assert!(FWD_KERNELS[width - MIN_WIDTH].entry_point().name.ends_with(&suffix));
+            assert!(BWD_KERNELS[width - MIN_WIDTH].entry_point().name.ends_with(&suffix));
+            assert!(FWD_KERNELS[width - MIN_WIDTH].entry_point().name.starts_with("causal_conv1d_fwd"));
+            assert!(BWD_KERNELS[width - MIN_WIDTH].entry_point().name.starts_with("causal_conv1d_bwd"));
+        }
     }
 
     fn problem_of(s: &ConvShape) -> ConvProblem {
