@@ -24,8 +24,10 @@ fn shape(
 /// Every value of the matrix appears at least once: B {1, 3}, D {8, 64, 72}, W {2, 3, 4, 5, 8},
 /// L {1, 2, 3, 7, 8, 9, 129, 1025}, bias, SiLU, initial_states and dfinal_states each on and off.
 /// L < W − 1 (final states reaching into the initial states) appears for W 4, 5 and 8. The last
-/// two cases go past the matrix to reach the other work splits: several segments per row (whose
-/// gradient partials add over segments and batch), with aligned float4 rows and with a ragged tail.
+/// cases go past the matrix to reach the other work splits: long aligned rows, where whole batches
+/// of quads take the float4 path, for both kernel windows (W ≤ 4 and W ≤ 8, narrower widths
+/// padded), partial batches (2 quads per lane), several segments per row (whose gradient partials
+/// add over segments and batch), and a long row with a ragged tail.
 fn cases() -> Vec<ConvShape> {
     vec![
         shape(1, 8, 1, 4, true, true, true, true),
@@ -40,6 +42,10 @@ fn cases() -> Vec<ConvShape> {
         shape(1, 72, 1025, 8, false, false, true, true),
         shape(3, 8, 8192, 4, true, true, true, true),
         shape(1, 8, 9001, 7, true, true, true, true),
+        shape(3, 8, 4096, 8, true, true, true, true),
+        shape(1, 64, 2048, 2, false, true, false, true),
+        shape(3, 8, 1024, 5, true, false, true, false),
+        shape(1, 8, 4096, 6, false, false, false, false),
     ]
 }
 
