@@ -24,7 +24,7 @@ use crate::random::Rng;
 use crate::tensor::{Scalars, Tensor, TensorMap};
 
 push_constants! {
-    /// Push constants of `causal_conv1d.slang` (both entry points).
+    /// Push constants of `causal_conv1d.slang` (every entry point).
     pub struct CausalConv1dPush {
         x: u32,
         weight: u32,
@@ -61,7 +61,7 @@ const MAX_WIDTH: usize = 8;
 
 /// The widest kernel the narrow entry points serve; wider ones (up to 8) use the wide ones. Each
 /// entry point has a window of fixed size in registers; a narrower kernel runs with zero taps in
-/// front, which leaves every bit of the result unchanged.
+/// front, which leaves every bit of the result unchanged for finite inputs.
 const NARROW_WIDTH: usize = 4;
 
 fn forward_kernel(width: usize) -> KernelRef {
