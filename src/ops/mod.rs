@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::gpu::{Dispatch, Gpu, GpuBuffer};
 use crate::tensor::{element_count, Scalars, Tensor, TensorMap};
 
+pub mod causal_conv1d;
 pub mod check;
 pub mod mamba3_preprocess;
 pub mod math;
@@ -227,6 +228,8 @@ pub static OPS: &[&dyn Op] = &[
     &Registered::<rmsnorm::RmsNormBwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessFwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessBwd>(PhantomData),
+    &Registered::<causal_conv1d::CausalConv1dFwd>(PhantomData),
+    &Registered::<causal_conv1d::CausalConv1dBwd>(PhantomData),
 ];
 
 /// The op called `name`.
