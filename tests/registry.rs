@@ -6,7 +6,7 @@ mod common;
 use std::collections::BTreeSet;
 
 use mamba_kernels::kernels::KERNEL_FILES;
-use mamba_kernels::ops::{ExampleSize, OPS};
+use mamba_kernels::ops::OPS;
 use mamba_kernels::{BackendKind, Device};
 
 #[test]
@@ -35,19 +35,14 @@ fn every_entry_point_has_a_parity_case(device: &Device) {
     let Some(gpu) = device.gpu() else { return };
     let mut reached = BTreeSet::new();
     for op in OPS {
-        let (inputs, scalars) = op.example(ExampleSize::Small, 3);
-        let prepared = op.prepare(gpu, &inputs, &scalars).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
-        for dispatch in &prepared.recorded.dispatches {
-            reached.insert(dispatch.kernel.label());
+        for (inputs, scalars) in op.coverage_examples(3) {
+            let prepared = op.prepare(gpu, &inputs, &scalars).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+            for dispatch in &prepared.recorded.dispatches {
+                reached.insert(dispatch.kernel.label());
+            }
+            let check = |_: &str| common::PARAMETER_GRADIENT;
+            common::check_against_reference(device, op.name(), &inputs, &scalars, &check, "coverage example");
         }
-        common::check_against_reference(
-            device,
-            op.name(),
-            &inputs,
-            &scalars,
-            &|_| common::PARAMETER_GRADIENT,
-            "small example",
-        );
     }
     // The bandwidth ceiling's copy kernel: it must copy exactly.
     let values: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5 - 7.0).collect();

@@ -263,6 +263,13 @@ impl OpDef for CausalConv1dFwd {
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&ConvShape::for_size(size), false, seed)
     }
+
+    /// Both kernel windows: W <= 4 and W <= 8.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        let narrow = ConvShape::for_size(ExampleSize::Small);
+        let wide = ConvShape { width: 7, ..narrow.clone() };
+        vec![example_inputs(&narrow, false, seed), example_inputs(&wide, false, seed)]
+    }
 }
 
 /// `causal_conv1d_bwd`.
@@ -373,6 +380,13 @@ impl OpDef for CausalConv1dBwd {
 
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&ConvShape::for_size(size), true, seed)
+    }
+
+    /// Both kernel windows: W <= 4 and W <= 8.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        let narrow = ConvShape::for_size(ExampleSize::Small);
+        let wide = ConvShape { width: 7, ..narrow.clone() };
+        vec![example_inputs(&narrow, true, seed), example_inputs(&wide, true, seed)]
     }
 }
 

@@ -108,6 +108,12 @@ pub trait OpDef: Send + Sync + 'static {
 
     /// Random inputs of a given size class (benchmarks, `make run`, the registry test).
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars);
+
+    /// Small inputs that together reach every entry point the op can dispatch (the registry test
+    /// checks that every kernel is reached). One small example unless the op picks kernels by shape.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        vec![Self::example(ExampleSize::Small, seed)]
+    }
 }
 
 /// Size classes of example inputs.
@@ -138,6 +144,8 @@ pub trait Op: Send + Sync {
     fn prepare(&self, gpu: &dyn Gpu, inputs: &TensorMap, scalars: &Scalars) -> Result<Prepared>;
     /// Random inputs of a size class.
     fn example(&self, size: ExampleSize, seed: u64) -> (TensorMap, Scalars);
+    /// Small inputs that together reach every entry point the op can dispatch.
+    fn coverage_examples(&self, seed: u64) -> Vec<(TensorMap, Scalars)>;
 }
 
 struct Registered<T: OpDef>(PhantomData<T>);
@@ -207,6 +215,10 @@ impl<T: OpDef> Op for Registered<T> {
 
     fn example(&self, size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         T::example(size, seed)
+    }
+
+    fn coverage_examples(&self, seed: u64) -> Vec<(TensorMap, Scalars)> {
+        T::coverage_examples(seed)
     }
 
     fn prepare(&self, gpu: &dyn Gpu, inputs: &TensorMap, scalars: &Scalars) -> Result<Prepared> {

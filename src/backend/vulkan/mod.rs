@@ -539,7 +539,8 @@ impl VulkanGpu {
         })
         .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
         let queue = unsafe { device.get_device_queue(queue_family, 0) };
-        let statistics = pipeline_stats.then(|| ash::khr::pipeline_executable_properties::Device::new(instance, &device));
+        let statistics =
+            pipeline_stats.then(|| ash::khr::pipeline_executable_properties::Device::new(instance, &device));
         let pool_info = vk::CommandPoolCreateInfo::default()
             .queue_family_index(queue_family)
             .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
