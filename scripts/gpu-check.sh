@@ -38,10 +38,11 @@ for step in $steps; do
       MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup
       MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup ;;
     bench)
-      echo "== bench: Vulkan =="
-      "$run" bench --backend vulkan --repeats 30
+      echo "== bench: Vulkan (with the driver's pipeline statistics) =="
+      MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan --repeats 30
       echo "== bench: CUDA =="
-      "$run" bench --backend cuda --repeats 30 ;;
+      "$run" bench --backend cuda --repeats 30
+      "$run" startup ;;
     sanitize)
       echo "== compute-sanitizer (memcheck, racecheck) on the CUDA backend =="
       for tool in memcheck racecheck; do
