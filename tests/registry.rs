@@ -16,6 +16,12 @@ fn every_kernel_file_has_spirv_and_cuda_source() {
         assert!(file.spirv.len() > 20 && file.spirv.len() % 4 == 0, "{}: SPIR-V missing", file.name);
         assert_eq!(&file.spirv[..4], &0x0723_0203u32.to_le_bytes(), "{}: not SPIR-V", file.name);
         assert!(file.push_constant_bytes <= 128, "{}: push constants over 128 bytes", file.name);
+        // Slang's generic ByteAddressBuffer Load<T>/Store<T> become memcpy (single-byte accesses) on
+        // CUDA: kernels must go through shaders/common/storage.slang, which emits typed accesses.
+        let kernel_code = file.cuda_source.split("SLANG_globalParams;").nth(1).unwrap_or("");
+        for generic in [".Load<", ".Store(", ".Load(", ".LoadAligned<", ".StoreAligned("] {
+            assert!(!kernel_code.contains(generic), "{}: CUDA code uses the generic `{generic}` accessor", file.name);
+        }
         for entry in file.entry_points {
             let signature = format!("extern \"C\" __global__ void {}(", entry.name);
             assert!(file.cuda_source.contains(&signature), "{}: CUDA source lacks {}", file.name, signature);
