@@ -12,6 +12,7 @@ use crate::tensor::{element_count, Scalars, Tensor, TensorMap};
 
 pub mod check;
 pub mod mamba3_preprocess;
+pub mod mamba3_siso;
 pub mod math;
 pub mod reduce;
 pub mod rmsnorm;

@@ -1,0 +1,753 @@
+//! `mamba3_siso_fwd` / `mamba3_siso_bwd`: the single-input single-output Mamba-3 scan
+//! (spec/mamba.md §4.3, §4.6, §4.9; spec/ops.md).
+//!
+//! The reference is the sequential recurrence in f64: per (b, h), with g = h / (H/G),
+//! θ_t = θ_{t−1} + π·tanh(angles_t)·dt_t (accumulated without wrapping, wrapped only before cos/sin),
+//! q̃_t = R(θ_t)(q_t + q_bias), k̃_t = R(θ_t)(k_t + k_bias), α = exp(adt), λ = σ(trap), γ = λ·dt,
+//! β = (1 − λ)·dt·α, h_t = α h_{t−1} + β v_{t−1}k̃_{t−1}ᵀ + γ v_t k̃_tᵀ, y_t = h_t q̃_t + d·v_t,
+//! out_t = y_t·silu(z_t).
+//!
+//! The GPU kernels use the chunked shifted-state form (S_t = h_t + μ_{t+1} v_t k̃_tᵀ, a plain SSM
+//! with input weight scale_t = γ_t + μ_{t+1} and an explicit diagonal term γ_t (q_t·k_t) v_t),
+//! split into passes that are parallel over (batch, head, chunk):
+//!
+//! forward: `prep` (per chunk: local cumulative decay, scale, γ, local angle cumsum) →
+//! `angle_pass` (per (b, h): angle prefix over chunks, final angle / k / v states) →
+//! `chunk_state` (per chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
+//! S_in[c+1] = exp(A_c)·S_in[c] + S_loc[c], in place) → `chunk_fwd` (per chunk: inter-chunk term,
+//! masked intra-chunk term, diagonal, D, gate).
+//!
+//! backward: the forward's first four passes again (states entering every chunk), then `chunk_state`
+//! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
+//! state leaving every chunk); `chunk_bwd` (per chunk: recomputed output, dz, dv, dadt through an
+//! in-chunk reverse cumsum, dscale, dγ, dD partials); `dqk` (per chunk and group, looping over the
+//! heads of the group in order: dq, dk, the angle gradient per step and per-chunk bias partials);
+//! `angle_suffix` (per (b, h): suffix sums of the angle gradient over chunks); `state_grads`
+//! (input-state gradients); `tail` (per chunk: dangles, ddt, dtrap). Sums over batch and time
+//! (dq_bias, dk_bias, dd) go through `column_sums`. Nothing uses atomics; every sum has an order
+//! fixed by the shapes alone.
+
+use std::f64::consts::{PI, TAU};
+
+use crate::error::Result;
+use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
+use crate::kernels;
+use crate::ops::math::{sigmoid, silu, silu_derivative};
+use crate::ops::reduce::{column_sums, Partials};
+use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
+use crate::push_constants;
+use crate::random::Rng;
+use crate::tensor::{Scalars, Tensor, TensorMap};
+
+/// The largest chunk the kernels take: one chunk is one 64-row tile.
+pub const MAX_CHUNK: usize = 64;
+
+/// The four optional input states, in the order of spec/ops.md.
+pub const INPUT_STATES: [&str; 4] = ["angle_state", "ssm_state", "k_state", "v_state"];
+/// The four final states the forward returns.
+pub const FINAL_STATES: [&str; 4] = ["final_angle_state", "final_ssm_state", "final_k_state", "final_v_state"];
+
+/// Validated sizes and options of one call.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SisoProblem {
+    /// B
+    pub batch: usize,
+    /// L
+    pub length: usize,
+    /// H
+    pub heads: usize,
+    /// G
+    pub groups: usize,
+    /// N (even)
+    pub state: usize,
+    /// P
+    pub head_dim: usize,
+    /// S (≤ N/2)
+    pub rope: usize,
+    /// Q
+    pub chunk: usize,
+    pub has_d: bool,
+    pub has_z: bool,
+    pub has_states: bool,
+    /// Backward only: which final-state gradients were given.
+    pub has_dfinal: [bool; 4],
+}
+
+impl SisoProblem {
+    pub fn chunks(&self) -> usize {
+        self.length.div_ceil(self.chunk)
+    }
+
+    fn heads_per_group(&self) -> usize {
+        self.heads / self.groups
+    }
+}
+
+fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
+    let q = shapes.required("q", &["B", "L", "G", "N"])?;
+    let (batch, length, groups, state) = (q[0], q[1], q[2], q[3]);
+    shapes.expect("k", &[("B", batch), ("L", length), ("G", groups), ("N", state)])?;
+    let v = shapes.required("v", &["B", "L", "H", "P"])?;
+    if v[0] != batch || v[1] != length {
+        return Err(
+            shapes.error("v", format!("expected shape [B={batch}, L={length}, H, P] (B and L of `q`), got {v:?}"))
+        );
+    }
+    let (heads, head_dim) = (v[2], v[3]);
+    if heads % groups != 0 {
+        return Err(shapes.error(
+            "v",
+            format!(
+                "the head count H={heads} (axis 2) must be a multiple of the group count G={groups} of `q` \
+                 (head h reads group h / (H/G))"
+            ),
+        ));
+    }
+    if state % 2 != 0 {
+        return Err(shapes.error(
+            "q",
+            format!("the state size N={state} (axis 3) must be even (rotated pairs are (2i, 2i+1)), got shape {q:?}"),
+        ));
+    }
+    for name in ["adt", "dt", "trap"] {
+        shapes.expect(name, &[("B", batch), ("H", heads), ("L", length)])?;
+    }
+    shapes.expect("q_bias", &[("H", heads), ("N", state)])?;
+    shapes.expect("k_bias", &[("H", heads), ("N", state)])?;
+    let angles = shapes.required("angles", &["B", "L", "H", "S"])?;
+    if angles[..3] != [batch, length, heads] {
+        return Err(
+            shapes.error("angles", format!("expected shape [B={batch}, L={length}, H={heads}, S], got {angles:?}"))
+        );
+    }
+    let rope = angles[3];
+    if 2 * rope > state {
+        return Err(shapes.error(
+            "angles",
+            format!("the angle count S={rope} (axis 3) must be at most N/2 = {} (N={state})", state / 2),
+        ));
+    }
+    let has_d = shapes.expect_optional("d", &[("H", heads)])?;
+    let has_z = shapes.expect_optional("z", &[("B", batch), ("L", length), ("H", heads), ("P", head_dim)])?;
+    let given = [
+        shapes.expect_optional("angle_state", &[("B", batch), ("H", heads), ("S", rope)])?,
+        shapes.expect_optional("ssm_state", &[("B", batch), ("H", heads), ("P", head_dim), ("N", state)])?,
+        shapes.expect_optional("k_state", &[("B", batch), ("H", heads), ("N", state)])?,
+        shapes.expect_optional("v_state", &[("B", batch), ("H", heads), ("P", head_dim)])?,
+    ];
+    let has_states = given.iter().all(|&g| g);
+    if !has_states && given.iter().any(|&g| g) {
+        let present: Vec<&str> = INPUT_STATES.iter().zip(given).filter(|(_, g)| *g).map(|(n, _)| *n).collect();
+        let absent: Vec<&str> = INPUT_STATES.iter().zip(given).filter(|(_, g)| !*g).map(|(n, _)| *n).collect();
+        return Err(shapes.error(
+            absent[0],
+            format!(
+                "the four input states come together: given {present:?}, missing {absent:?} \
+                 (pass all of angle_state, ssm_state, k_state, v_state or none)"
+            ),
+        ));
+    }
+    let chunk = scalars.u32_or("chunk_size", 64)? as usize;
+    if chunk == 0 || chunk > MAX_CHUNK {
+        return Err(scalars.error("chunk_size", format!("must be between 1 and {MAX_CHUNK}, got {chunk}")));
+    }
+    Ok(SisoProblem {
+        batch,
+        length,
+        heads,
+        groups,
+        state,
+        head_dim,
+        rope,
+        chunk,
+        has_d,
+        has_z,
+        has_states,
+        has_dfinal: [false; 4],
+    })
+}
+
+// ------------------------------------------------------------------------------------------------
+// f64 reference
+// ------------------------------------------------------------------------------------------------
+
+/// Views of the inputs of one call, in f64.
+struct Inputs<'a> {
+    p: &'a SisoProblem,
+    q: &'a [f64],
+    k: &'a [f64],
+    v: &'a [f64],
+    adt: &'a [f64],
+    dt: &'a [f64],
+    trap: &'a [f64],
+    q_bias: &'a [f64],
+    k_bias: &'a [f64],
+    angles: &'a [f64],
+    d: Option<&'a [f64]>,
+    z: Option<&'a [f64]>,
+    states: Option<[&'a [f64]; 4]>,
+}
+
+impl<'a> Inputs<'a> {
+    fn new(p: &'a SisoProblem, inputs: &'a TensorMap<f64>) -> Self {
+        let get = |name: &str| inputs[name].data();
+        Inputs {
+            p,
+            q: get("q"),
+            k: get("k"),
+            v: get("v"),
+            adt: get("adt"),
+            dt: get("dt"),
+            trap: get("trap"),
+            q_bias: get("q_bias"),
+            k_bias: get("k_bias"),
+            angles: get("angles"),
+            d: inputs.get("d").map(|t| t.data()),
+            z: inputs.get("z").map(|t| t.data()),
+            states: p.has_states.then(|| INPUT_STATES.map(|name| inputs[name].data())),
+        }
+    }
+
+    /// Index of (b, h, t) in [B, H, L] tensors.
+    fn bht(&self, b: usize, h: usize, t: usize) -> usize {
+        (b * self.p.heads + h) * self.p.length + t
+    }
+
+    /// Offset of row (b, t, h) in [B, L, H, X] tensors of width `x`.
+    fn blh(&self, b: usize, t: usize, h: usize, x: usize) -> usize {
+        ((b * self.p.length + t) * self.p.heads + h) * x
+    }
+
+    /// Offset of row (b, t, g) in [B, L, G, N].
+    fn blg(&self, b: usize, t: usize, g: usize) -> usize {
+        ((b * self.p.length + t) * self.p.groups + g) * self.p.state
+    }
+}
+
+/// Rotates the pairs (2i, 2i+1), i < S, of `u` by `angles[i]`, in place.
+fn rotate(u: &mut [f64], angles: &[f64]) {
+    for (i, &theta) in angles.iter().enumerate() {
+        let wrapped = theta.rem_euclid(TAU);
+        let (s, c) = wrapped.sin_cos();
+        let (u0, u1) = (u[2 * i], u[2 * i + 1]);
+        u[2 * i] = u0 * c - u1 * s;
+        u[2 * i + 1] = u0 * s + u1 * c;
+    }
+}
+
+/// The per-step quantities of one (b, h) sequence that the backward reuses.
+struct Trace {
+    /// θ_t, unwrapped, [L, S]
+    theta: Vec<f64>,
+    /// un-rotated biased q_t and k_t, [L, N]
+    q_raw: Vec<f64>,
+    k_raw: Vec<f64>,
+    /// rotated q̃_t, k̃_t, [L, N]
+    q_rot: Vec<f64>,
+    k_rot: Vec<f64>,
+    /// h_t, [L, P, N]
+    h: Vec<f64>,
+    /// y_t before the gate, [L, P]
+    y: Vec<f64>,
+    /// final θ (unwrapped), h, k̃ and v
+    final_theta: Vec<f64>,
+    final_h: Vec<f64>,
+    final_k: Vec<f64>,
+    final_v: Vec<f64>,
+}
+
+/// Runs the sequential recurrence of one (b, h) and writes `out` rows.
+fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool) -> Trace {
+    let p = x.p;
+    let (n, pd, s) = (p.state, p.head_dim, p.rope);
+    let g = h / p.heads_per_group();
+    let mut theta = vec![0.0; s];
+    let mut state = vec![0.0; pd * n];
+    let mut k_prev = vec![0.0; n];
+    let mut v_prev = vec![0.0; pd];
+    if let Some(st) = &x.states {
+        theta.copy_from_slice(&st[0][(b * p.heads + h) * s..][..s]);
+        state.copy_from_slice(&st[1][(b * p.heads + h) * pd * n..][..pd * n]);
+        k_prev.copy_from_slice(&st[2][(b * p.heads + h) * n..][..n]);
+        v_prev.copy_from_slice(&st[3][(b * p.heads + h) * pd..][..pd]);
+    }
+    let d = x.d.map_or(0.0, |d| d[h]);
+    let cap = if keep { p.length } else { 0 };
+    let mut trace = Trace {
+        theta: Vec::with_capacity(cap * s),
+        q_raw: Vec::with_capacity(cap * n),
+        k_raw: Vec::with_capacity(cap * n),
+        q_rot: Vec::with_capacity(cap * n),
+        k_rot: Vec::with_capacity(cap * n),
+        h: Vec::with_capacity(cap * pd * n),
+        y: Vec::with_capacity(cap * pd),
+        final_theta: Vec::new(),
+        final_h: Vec::new(),
+        final_k: Vec::new(),
+        final_v: Vec::new(),
+    };
+    for t in 0..p.length {
+        let i = x.bht(b, h, t);
+        let (adt, dt, lambda) = (x.adt[i], x.dt[i], sigmoid(x.trap[i]));
+        let arow = &x.angles[x.blh(b, t, h, s)..][..s];
+        for (th, &a) in theta.iter_mut().zip(arow) {
+            *th += PI * a.tanh() * dt;
+        }
+        let q_raw: Vec<f64> = (0..n).map(|j| x.q[x.blg(b, t, g) + j] + x.q_bias[h * n + j]).collect();
+        let k_raw: Vec<f64> = (0..n).map(|j| x.k[x.blg(b, t, g) + j] + x.k_bias[h * n + j]).collect();
+        let mut q_rot = q_raw.clone();
+        let mut k_rot = k_raw.clone();
+        rotate(&mut q_rot, &theta);
+        rotate(&mut k_rot, &theta);
+        let alpha = adt.exp();
+        let gamma = lambda * dt;
+        let beta = (1.0 - lambda) * dt * alpha;
+        let v = &x.v[x.blh(b, t, h, pd)..][..pd];
+        for a in 0..pd {
+            for j in 0..n {
+                let e = &mut state[a * n + j];
+                *e = alpha * *e + beta * v_prev[a] * k_prev[j] + gamma * v[a] * k_rot[j];
+            }
+        }
+        let row = x.blh(b, t, h, pd);
+        let mut y = vec![0.0; pd];
+        for a in 0..pd {
+            y[a] = (0..n).map(|j| state[a * n + j] * q_rot[j]).sum::<f64>() + d * v[a];
+            out[row + a] = match x.z {
+                Some(z) => y[a] * silu(z[row + a]),
+                None => y[a],
+            };
+        }
+        k_prev.copy_from_slice(&k_rot);
+        v_prev.copy_from_slice(v);
+        if keep {
+            trace.theta.extend_from_slice(&theta);
+            trace.q_raw.extend_from_slice(&q_raw);
+            trace.k_raw.extend_from_slice(&k_raw);
+            trace.q_rot.extend_from_slice(&q_rot);
+            trace.k_rot.extend_from_slice(&k_rot);
+            trace.h.extend_from_slice(&state);
+            trace.y.extend_from_slice(&y);
+        }
+    }
+    trace.final_theta = theta;
+    trace.final_h = state;
+    trace.final_k = k_prev;
+    trace.final_v = v_prev;
+    trace
+}
+
+fn tensor(shape: Vec<usize>, data: Vec<f64>) -> Tensor<f64> {
+    Tensor::new(shape, data).expect("reference output size matches its shape")
+}
+
+/// The f64 forward reference: `out` and the four final states.
+pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
+    let x = Inputs::new(p, inputs);
+    let (n, pd, s) = (p.state, p.head_dim, p.rope);
+    let mut out = vec![0.0; p.batch * p.length * p.heads * pd];
+    let mut final_angle = vec![0.0; p.batch * p.heads * s];
+    let mut final_ssm = vec![0.0; p.batch * p.heads * pd * n];
+    let mut final_k = vec![0.0; p.batch * p.heads * n];
+    let mut final_v = vec![0.0; p.batch * p.heads * pd];
+    for b in 0..p.batch {
+        for h in 0..p.heads {
+            let trace = forward_sequence(&x, b, h, &mut out, false);
+            let bh = b * p.heads + h;
+            for (o, th) in final_angle[bh * s..][..s].iter_mut().zip(&trace.final_theta) {
+                *o = th.rem_euclid(TAU);
+            }
+            final_ssm[bh * pd * n..][..pd * n].copy_from_slice(&trace.final_h);
+            final_k[bh * n..][..n].copy_from_slice(&trace.final_k);
+            final_v[bh * pd..][..pd].copy_from_slice(&trace.final_v);
+        }
+    }
+    let mut result = TensorMap::new();
+    result.insert("out".into(), tensor(vec![p.batch, p.length, p.heads, pd], out));
+    result.insert("final_angle_state".into(), tensor(vec![p.batch, p.heads, s], final_angle));
+    result.insert("final_ssm_state".into(), tensor(vec![p.batch, p.heads, pd, n], final_ssm));
+    result.insert("final_k_state".into(), tensor(vec![p.batch, p.heads, n], final_k));
+    result.insert("final_v_state".into(), tensor(vec![p.batch, p.heads, pd], final_v));
+    result
+}
+
+/// The f64 backward reference (spec/mamba.md §4.6).
+pub fn reference_backward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
+    let x = Inputs::new(p, inputs);
+    let (n, pd, s, l) = (p.state, p.head_dim, p.rope, p.length);
+    let dout = inputs["dout"].data();
+    let dfinal: [Option<&[f64]>; 4] = ["dfinal_angle_state", "dfinal_ssm_state", "dfinal_k_state", "dfinal_v_state"]
+        .map(|name| inputs.get(name).map(|t| t.data()));
+    let mut dq = vec![0.0; p.batch * l * p.groups * n];
+    let mut dk = vec![0.0; p.batch * l * p.groups * n];
+    let mut dv = vec![0.0; p.batch * l * p.heads * pd];
+    let mut dz = vec![0.0; if p.has_z { p.batch * l * p.heads * pd } else { 0 }];
+    let mut dadt = vec![0.0; p.batch * p.heads * l];
+    let mut ddt = vec![0.0; p.batch * p.heads * l];
+    let mut dtrap = vec![0.0; p.batch * p.heads * l];
+    let mut dq_bias = vec![0.0; p.heads * n];
+    let mut dk_bias = vec![0.0; p.heads * n];
+    let mut dangles = vec![0.0; p.batch * l * p.heads * s];
+    let mut dd = vec![0.0; p.heads];
+    let mut dangle_state = vec![0.0; p.batch * p.heads * s];
+    let mut dssm_state = vec![0.0; p.batch * p.heads * pd * n];
+    let mut dk_state = vec![0.0; p.batch * p.heads * n];
+    let mut dv_state = vec![0.0; p.batch * p.heads * pd];
+    let mut scratch_out = vec![0.0; p.batch * l * p.heads * pd];
+    for b in 0..p.batch {
+        for h in 0..p.heads {
+            let bh = b * p.heads + h;
+            let g = h / p.heads_per_group();
+            let tr = forward_sequence(&x, b, h, &mut scratch_out, true);
+            let d = x.d.map_or(0.0, |d| d[h]);
+            let (h_init, k_init, v_init) = match &x.states {
+                Some(st) => (
+                    st[1][bh * pd * n..][..pd * n].to_vec(),
+                    st[2][bh * n..][..n].to_vec(),
+                    st[3][bh * pd..][..pd].to_vec(),
+                ),
+                None => (vec![0.0; pd * n], vec![0.0; n], vec![0.0; pd]),
+            };
+            // G_{t} accumulated from the future: α_{t+1} G_{t+1}, seeded with dh_fin.
+            let mut g_future = match dfinal[1] {
+                Some(df) => df[bh * pd * n..][..pd * n].to_vec(),
+                None => vec![0.0; pd * n],
+            };
+            // gradient w.r.t. k̃_t and v_t from step t+1 (β_{t+1} terms) or the final states.
+            let mut carry_k = dfinal[2].map_or(vec![0.0; n], |df| df[bh * n..][..n].to_vec());
+            let mut carry_v = dfinal[3].map_or(vec![0.0; pd], |df| df[bh * pd..][..pd].to_vec());
+            let mut dtheta = vec![0.0; l * s];
+            let mut big_g = vec![0.0; pd * n];
+            for t in (0..l).rev() {
+                let i = x.bht(b, h, t);
+                let (adt, dt, lambda) = (x.adt[i], x.dt[i], sigmoid(x.trap[i]));
+                let alpha = adt.exp();
+                let gamma = lambda * dt;
+                let beta = (1.0 - lambda) * dt * alpha;
+                let row = x.blh(b, t, h, pd);
+                let v = &x.v[row..][..pd];
+                let q_rot = &tr.q_rot[t * n..][..n];
+                let k_rot = &tr.k_rot[t * n..][..n];
+                let y = &tr.y[t * pd..][..pd];
+                let mut gvec = vec![0.0; pd];
+                for a in 0..pd {
+                    gvec[a] = match x.z {
+                        Some(z) => {
+                            dz[row + a] = dout[row + a] * y[a] * silu_derivative(z[row + a]);
+                            dout[row + a] * silu(z[row + a])
+                        }
+                        None => dout[row + a],
+                    };
+                    dd[h] += gvec[a] * v[a];
+                }
+                for a in 0..pd {
+                    for j in 0..n {
+                        big_g[a * n + j] = g_future[a * n + j] + gvec[a] * q_rot[j];
+                    }
+                }
+                let h_t = &tr.h[t * pd * n..][..pd * n];
+                let mut dq_rot = vec![0.0; n];
+                for j in 0..n {
+                    dq_rot[j] = (0..pd).map(|a| h_t[a * n + j] * gvec[a]).sum();
+                }
+                let mut dk_rot = carry_k.clone();
+                for j in 0..n {
+                    dk_rot[j] += gamma * (0..pd).map(|a| big_g[a * n + j] * v[a]).sum::<f64>();
+                }
+                let gk: Vec<f64> = (0..pd).map(|a| (0..n).map(|j| big_g[a * n + j] * k_rot[j]).sum()).collect();
+                for a in 0..pd {
+                    dv[row + a] = d * gvec[a] + gamma * gk[a] + carry_v[a];
+                }
+                let dgamma: f64 = (0..pd).map(|a| v[a] * gk[a]).sum();
+                let (k_prev, v_prev): (&[f64], &[f64]) = if t > 0 {
+                    (&tr.k_rot[(t - 1) * n..][..n], &x.v[x.blh(b, t - 1, h, pd)..][..pd])
+                } else {
+                    (&k_init, &v_init)
+                };
+                let gk_prev: Vec<f64> = (0..pd).map(|a| (0..n).map(|j| big_g[a * n + j] * k_prev[j]).sum()).collect();
+                let dbeta: f64 = (0..pd).map(|a| v_prev[a] * gk_prev[a]).sum();
+                let h_prev: &[f64] = if t > 0 { &tr.h[(t - 1) * pd * n..][..pd * n] } else { &h_init };
+                let dot_prev: f64 = (0..pd * n).map(|e| big_g[e] * h_prev[e]).sum();
+                dadt[i] = alpha * dot_prev + beta * dbeta;
+                ddt[i] = lambda * dgamma + (1.0 - lambda) * alpha * dbeta;
+                dtrap[i] = dt * (dgamma - alpha * dbeta) * lambda * (1.0 - lambda);
+                // terms for step t−1: β_t G_tᵀ v_{t−1}, β_t G_t k̃_{t−1}
+                carry_k = (0..n).map(|j| beta * (0..pd).map(|a| big_g[a * n + j] * v_prev[a]).sum::<f64>()).collect();
+                carry_v = gk_prev.iter().map(|v| beta * v).collect();
+                // rotation: gradients w.r.t. un-rotated q, k and θ_t
+                let theta = &tr.theta[t * s..][..s];
+                let mut dq_raw = dq_rot.clone();
+                let mut dk_raw = dk_rot.clone();
+                for (pair, &th) in theta.iter().enumerate() {
+                    let (sn, cs) = th.rem_euclid(TAU).sin_cos();
+                    let mut angle = 0.0;
+                    for (raw, grad, out) in [
+                        (&tr.q_raw[t * n..][..n], &dq_rot, &mut dq_raw),
+                        (&tr.k_raw[t * n..][..n], &dk_rot, &mut dk_raw),
+                    ] {
+                        let (u0, u1) = (raw[2 * pair], raw[2 * pair + 1]);
+                        let (g0, g1) = (grad[2 * pair], grad[2 * pair + 1]);
+                        out[2 * pair] = cs * g0 + sn * g1;
+                        out[2 * pair + 1] = -sn * g0 + cs * g1;
+                        angle += g0 * (-sn * u0 - cs * u1) + g1 * (cs * u0 - sn * u1);
+                    }
+                    dtheta[t * s + pair] = angle;
+                }
+                let qrow = x.blg(b, t, g);
+                for j in 0..n {
+                    dq[qrow + j] += dq_raw[j];
+                    dk[qrow + j] += dk_raw[j];
+                    dq_bias[h * n + j] += dq_raw[j];
+                    dk_bias[h * n + j] += dk_raw[j];
+                }
+                for e in 0..pd * n {
+                    g_future[e] = alpha * big_g[e];
+                }
+            }
+            // angles: dφ_t = dΘ_fin + Σ_{u ≥ t} dθ_u
+            let mut suffix = dfinal[0].map_or(vec![0.0; s], |df| df[bh * s..][..s].to_vec());
+            for t in (0..l).rev() {
+                let i = x.bht(b, h, t);
+                let dt = x.dt[i];
+                let arow = x.blh(b, t, h, s);
+                for pair in 0..s {
+                    suffix[pair] += dtheta[t * s + pair];
+                    let th = x.angles[arow + pair].tanh();
+                    dangles[arow + pair] = suffix[pair] * PI * dt * (1.0 - th * th);
+                    ddt[i] += suffix[pair] * PI * th;
+                }
+            }
+            if p.has_states {
+                dangle_state[bh * s..][..s].copy_from_slice(&suffix);
+                dssm_state[bh * pd * n..][..pd * n].copy_from_slice(&g_future);
+                dk_state[bh * n..][..n].copy_from_slice(&carry_k);
+                dv_state[bh * pd..][..pd].copy_from_slice(&carry_v);
+            }
+        }
+    }
+    let (bsz, g) = (p.batch, p.groups);
+    let mut result = TensorMap::new();
+    result.insert("dq".into(), tensor(vec![bsz, l, g, n], dq));
+    result.insert("dk".into(), tensor(vec![bsz, l, g, n], dk));
+    result.insert("dv".into(), tensor(vec![bsz, l, p.heads, pd], dv));
+    result.insert("dadt".into(), tensor(vec![bsz, p.heads, l], dadt));
+    result.insert("ddt".into(), tensor(vec![bsz, p.heads, l], ddt));
+    result.insert("dtrap".into(), tensor(vec![bsz, p.heads, l], dtrap));
+    result.insert("dq_bias".into(), tensor(vec![p.heads, n], dq_bias));
+    result.insert("dk_bias".into(), tensor(vec![p.heads, n], dk_bias));
+    result.insert("dangles".into(), tensor(vec![bsz, l, p.heads, s], dangles));
+    if p.has_d {
+        result.insert("dd".into(), tensor(vec![p.heads], dd));
+    }
+    if p.has_z {
+        result.insert("dz".into(), tensor(vec![bsz, l, p.heads, pd], dz));
+    }
+    if p.has_states {
+        result.insert("dangle_state".into(), tensor(vec![bsz, p.heads, s], dangle_state));
+        result.insert("dssm_state".into(), tensor(vec![bsz, p.heads, pd, n], dssm_state));
+        result.insert("dk_state".into(), tensor(vec![bsz, p.heads, n], dk_state));
+        result.insert("dv_state".into(), tensor(vec![bsz, p.heads, pd], dv_state));
+    }
+    result
+}
+
+// ------------------------------------------------------------------------------------------------
+// Example inputs
+// ------------------------------------------------------------------------------------------------
+
+/// The sizes and options of one test or benchmark case.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SisoShape {
+    pub batch: usize,
+    pub length: usize,
+    pub heads: usize,
+    pub groups: usize,
+    pub state: usize,
+    pub head_dim: usize,
+    pub rope: usize,
+    pub chunk: usize,
+    pub d: bool,
+    pub z: bool,
+    pub states: bool,
+    /// Backward: give all four final-state gradients.
+    pub final_grads: bool,
+}
+
+impl SisoShape {
+    /// The benchmark shape of the issue: B=8, L=4096, H=32, G=1, N=128, P=64, S=32, z and d, chunk 64.
+    pub fn bench() -> Self {
+        SisoShape {
+            batch: 8,
+            length: 4096,
+            heads: 32,
+            groups: 1,
+            state: 128,
+            head_dim: 64,
+            rope: 32,
+            chunk: 64,
+            d: true,
+            z: true,
+            states: false,
+            final_grads: false,
+        }
+    }
+
+    pub fn for_size(size: ExampleSize) -> Self {
+        match size {
+            ExampleSize::Gpu => Self::bench(),
+            // the bench shape at 1/64 of the work: B=1, L=2048, H=8 (lavapipe: a few seconds)
+            ExampleSize::CpuDevice => SisoShape { batch: 1, length: 2048, heads: 8, ..Self::bench() },
+            ExampleSize::Small => SisoShape {
+                batch: 2,
+                length: 37,
+                heads: 4,
+                groups: 2,
+                state: 16,
+                head_dim: 8,
+                rope: 4,
+                chunk: 16,
+                d: true,
+                z: true,
+                states: true,
+                final_grads: true,
+            },
+        }
+    }
+}
+
+/// Random inputs with the distributions of the issue: dt log-uniform in [1e-3, 1e-1],
+/// adt = −U[1e-4, 16]·dt, q and k unit-scale (like RMS-normalised vectors), biases near 1,
+/// angles and trap standard normal.
+pub fn example_inputs(s: &SisoShape, backward: bool, seed: u64) -> (TensorMap, Scalars) {
+    let mut rng = Rng::new(seed);
+    let (b, l, h, g, n, p, r) = (s.batch, s.length, s.heads, s.groups, s.state, s.head_dim, s.rope);
+    let mut inputs = TensorMap::new();
+    inputs.insert("q".into(), rng.normal_tensor(vec![b, l, g, n], 1.0));
+    inputs.insert("k".into(), rng.normal_tensor(vec![b, l, g, n], 1.0));
+    inputs.insert("v".into(), rng.normal_tensor(vec![b, l, h, p], 1.0));
+    let dt = Tensor::from_fn(vec![b, h, l], |_| rng.log_uniform(1e-3, 1e-1) as f32);
+    let adt = Tensor::from_fn(vec![b, h, l], |i| (-rng.uniform(1e-4, 16.0) * f64::from(dt.data()[i])) as f32);
+    inputs.insert("adt".into(), adt);
+    inputs.insert("dt".into(), dt);
+    inputs.insert("trap".into(), rng.normal_tensor(vec![b, h, l], 1.0));
+    inputs.insert("q_bias".into(), rng.uniform_tensor(vec![h, n], 0.5, 1.5));
+    inputs.insert("k_bias".into(), rng.uniform_tensor(vec![h, n], 0.5, 1.5));
+    inputs.insert("angles".into(), rng.normal_tensor(vec![b, l, h, r], 1.0));
+    if s.d {
+        inputs.insert("d".into(), rng.uniform_tensor(vec![h], 0.5, 1.5));
+    }
+    if s.z {
+        inputs.insert("z".into(), rng.normal_tensor(vec![b, l, h, p], 1.0));
+    }
+    if s.states {
+        inputs.insert("angle_state".into(), rng.uniform_tensor(vec![b, h, r], 0.0, TAU));
+        inputs.insert("ssm_state".into(), rng.normal_tensor(vec![b, h, p, n], 0.5));
+        inputs.insert("k_state".into(), Tensor::from_fn(vec![b, h, n], |_| (1.0 + rng.normal()) as f32));
+        inputs.insert("v_state".into(), rng.normal_tensor(vec![b, h, p], 1.0));
+    }
+    if backward {
+        inputs.insert("dout".into(), rng.normal_tensor(vec![b, l, h, p], 1.0));
+        if s.final_grads {
+            inputs.insert("dfinal_angle_state".into(), rng.normal_tensor(vec![b, h, r], 1.0));
+            inputs.insert("dfinal_ssm_state".into(), rng.normal_tensor(vec![b, h, p, n], 1.0));
+            inputs.insert("dfinal_k_state".into(), rng.normal_tensor(vec![b, h, n], 1.0));
+            inputs.insert("dfinal_v_state".into(), rng.normal_tensor(vec![b, h, p], 1.0));
+        }
+    }
+    let scalars = Scalars::new().with("chunk_size", s.chunk);
+    (inputs, scalars)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{finite_difference_error, weighted_sum};
+
+    fn problem(s: &SisoShape) -> SisoProblem {
+        SisoProblem {
+            batch: s.batch,
+            length: s.length,
+            heads: s.heads,
+            groups: s.groups,
+            state: s.state,
+            head_dim: s.head_dim,
+            rope: s.rope,
+            chunk: s.chunk,
+            has_d: s.d,
+            has_z: s.z,
+            has_states: s.states,
+            has_dfinal: [s.final_grads; 4],
+        }
+    }
+
+    /// Central finite differences of a random linear loss of every output (out and the four final
+    /// states, weighted by dout and the four final-state gradients) against the backward reference,
+    /// at every input, with and without the optional inputs.
+    #[test]
+    fn reference_backward_matches_finite_differences() {
+        let base = SisoShape {
+            batch: 2,
+            length: 5,
+            heads: 4,
+            groups: 2,
+            state: 6,
+            head_dim: 3,
+            rope: 2,
+            chunk: 2,
+            d: true,
+            z: true,
+            states: true,
+            final_grads: true,
+        };
+        let cases = [
+            base.clone(),
+            SisoShape { d: false, z: false, states: false, final_grads: false, groups: 1, ..base.clone() },
+            SisoShape { z: false, states: true, final_grads: false, heads: 2, groups: 2, rope: 3, ..base.clone() },
+            SisoShape { d: false, states: false, final_grads: true, length: 1, rope: 1, ..base.clone() },
+        ];
+        for shape in cases {
+            let p = problem(&shape);
+            let (inputs, _) = example_inputs(&shape, true, 5);
+            let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+            let mut weights = TensorMap::new();
+            weights.insert("out".to_string(), wide["dout"].clone());
+            if shape.final_grads {
+                for (out, grad) in FINAL_STATES.iter().zip([
+                    "dfinal_angle_state",
+                    "dfinal_ssm_state",
+                    "dfinal_k_state",
+                    "dfinal_v_state",
+                ]) {
+                    weights.insert(out.to_string(), wide[grad].clone());
+                }
+            }
+            let loss = |i: &TensorMap<f64>| weighted_sum(&reference_forward(&p, i), &weights);
+            let grads = reference_backward(&p, &wide);
+            let mut names = vec!["q", "k", "v", "adt", "dt", "trap", "q_bias", "k_bias", "angles"];
+            if shape.d {
+                names.push("d");
+            }
+            if shape.z {
+                names.push("z");
+            }
+            if shape.states {
+                names.extend(INPUT_STATES);
+            }
+            let (error, at) = finite_difference_error(&loss, &wide, &grads, &names, 200, 1e-6);
+            assert!(error < 1e-6, "{shape:?}: {error:e} at {at}");
+        }
+    }
+
+    /// The final angle state is θ mod 2π in [0, 2π), with θ accumulated without wrapping.
+    #[test]
+    fn final_angle_is_wrapped() {
+        let shape = SisoShape { length: 300, ..SisoShape::for_size(ExampleSize::Small) };
+        let p = problem(&shape);
+        let (inputs, _) = example_inputs(&shape, false, 3);
+        let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+        let out = reference_forward(&p, &wide);
+        for &a in out["final_angle_state"].data() {
+            assert!((0.0..TAU).contains(&a), "{a}");
+        }
+    }
+}
