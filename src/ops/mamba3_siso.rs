@@ -751,3 +751,391 @@ mod tests {
         }
     }
 }
+
+/// An f64 model of the chunked algorithm the kernels run (shifted-state form, per-chunk passes),
+/// checked against the sequential reference. It documents the kernels' math in plain loops.
+#[cfg(test)]
+mod chunked_model {
+    use super::*;
+
+    struct Chunked {
+        p: SisoProblem,
+        out: Vec<f64>,
+        finals: [Vec<f64>; 4],
+        grads: TensorMap<f64>,
+    }
+
+    fn dot(a: &[f64], b: &[f64]) -> f64 {
+        a.iter().zip(b).map(|(x, y)| x * y).sum()
+    }
+
+    fn wrap(x: f64) -> f64 {
+        x.rem_euclid(TAU)
+    }
+
+    fn run(p: &SisoProblem, inputs: &TensorMap<f64>) -> Chunked {
+        let x = Inputs::new(p, inputs);
+        let (n, pd, s, l, qz) = (p.state, p.head_dim, p.rope, p.length, p.chunk);
+        let nc = p.chunks();
+        let dout = inputs["dout"].data();
+        let dfin: [Option<&[f64]>; 4] = ["dfinal_angle_state", "dfinal_ssm_state", "dfinal_k_state", "dfinal_v_state"]
+            .map(|name| inputs.get(name).map(|t| t.data()));
+        let mut out = vec![0.0; p.batch * l * p.heads * pd];
+        let mut finals = [vec![], vec![], vec![], vec![]];
+        let zero = |shape: Vec<usize>| Tensor::<f64>::zeros(shape);
+        let mut grads = TensorMap::new();
+        for (name, shape) in [
+            ("dq", vec![p.batch, l, p.groups, n]),
+            ("dk", vec![p.batch, l, p.groups, n]),
+            ("dv", vec![p.batch, l, p.heads, pd]),
+            ("dz", vec![p.batch, l, p.heads, pd]),
+            ("dadt", vec![p.batch, p.heads, l]),
+            ("ddt", vec![p.batch, p.heads, l]),
+            ("dtrap", vec![p.batch, p.heads, l]),
+            ("dq_bias", vec![p.heads, n]),
+            ("dk_bias", vec![p.heads, n]),
+            ("dangles", vec![p.batch, l, p.heads, s]),
+            ("dd", vec![p.heads]),
+            ("dangle_state", vec![p.batch, p.heads, s]),
+            ("dssm_state", vec![p.batch, p.heads, pd, n]),
+            ("dk_state", vec![p.batch, p.heads, n]),
+            ("dv_state", vec![p.batch, p.heads, pd]),
+        ] {
+            grads.insert(name.to_string(), zero(shape));
+        }
+        macro_rules! g {
+            ($name:expr) => {
+                grads.get_mut($name).unwrap().data_mut()
+            };
+        }
+        for b in 0..p.batch {
+            for h in 0..p.heads {
+                let bh = b * p.heads + h;
+                let grp = h / p.heads_per_group();
+                let d = x.d.map_or(0.0, |d| d[h]);
+                let mu = |t: usize| {
+                    let i = x.bht(b, h, t);
+                    (1.0 - sigmoid(x.trap[i])) * x.dt[i]
+                };
+                // prep: local cumulative decay, scale, gamma, local angle cumsum
+                let mut acs = vec![0.0; l];
+                let mut scale = vec![0.0; l];
+                let mut gamma = vec![0.0; l];
+                let mut theta_loc = vec![0.0; l * s];
+                let mut sums = vec![vec![0.0; s]; nc];
+                for c in 0..nc {
+                    let (c0, c1) = (c * qz, ((c + 1) * qz).min(l));
+                    let mut a = 0.0;
+                    let mut th = vec![0.0; s];
+                    for t in c0..c1 {
+                        let i = x.bht(b, h, t);
+                        a += x.adt[i];
+                        acs[t] = a;
+                        gamma[t] = sigmoid(x.trap[i]) * x.dt[i];
+                        scale[t] = gamma[t] + if t + 1 < l { mu(t + 1) } else { 0.0 };
+                        for r in 0..s {
+                            th[r] += PI * x.angles[x.blh(b, t, h, s) + r].tanh() * x.dt[i];
+                            theta_loc[t * s + r] = th[r];
+                        }
+                    }
+                    sums[c] = th;
+                }
+                // angle pass
+                let mut theta_start = vec![vec![0.0; s]; nc + 1];
+                if let Some(st) = &x.states {
+                    theta_start[0] = st[0][bh * s..][..s].iter().map(|&a| wrap(a)).collect();
+                }
+                for c in 0..nc {
+                    theta_start[c + 1] = (0..s).map(|r| wrap(theta_start[c][r] + sums[c][r])).collect();
+                }
+                let qk_rot = |t: usize, which: &[f64]| {
+                    let c = t / qz;
+                    let mut u: Vec<f64> = (0..n)
+                        .map(|j| {
+                            which[x.blg(b, t, grp) + j]
+                                + if std::ptr::eq(which, x.q) { x.q_bias[h * n + j] } else { x.k_bias[h * n + j] }
+                        })
+                        .collect();
+                    let th: Vec<f64> = (0..s).map(|r| theta_start[c][r] + theta_loc[t * s + r]).collect();
+                    rotate(&mut u, &th);
+                    u
+                };
+                let qt: Vec<Vec<f64>> = (0..l).map(|t| qk_rot(t, x.q)).collect();
+                let kt: Vec<Vec<f64>> = (0..l).map(|t| qk_rot(t, x.k)).collect();
+                let vv = |t: usize| &x.v[x.blh(b, t, h, pd)..][..pd];
+                let last = |c: usize| ((c + 1) * qz).min(l) - 1;
+                // chunk states
+                let mut states = vec![vec![0.0; pd * n]; nc + 1];
+                if let Some(st) = &x.states {
+                    let m0 = mu(0);
+                    for a in 0..pd {
+                        for j in 0..n {
+                            states[0][a * n + j] =
+                                st[1][bh * pd * n + a * n + j] + m0 * st[3][bh * pd + a] * st[2][bh * n + j];
+                        }
+                    }
+                }
+                for c in 0..nc {
+                    let al = acs[last(c)];
+                    let mut next: Vec<f64> = states[c].iter().map(|e| al.exp() * e).collect();
+                    for t in c * qz..=last(c) {
+                        let w = (al - acs[t]).exp() * scale[t];
+                        for a in 0..pd {
+                            for j in 0..n {
+                                next[a * n + j] += w * vv(t)[a] * kt[t][j];
+                            }
+                        }
+                    }
+                    states[c + 1] = next;
+                }
+                finals[0].extend_from_slice(&theta_start[nc]);
+                finals[1].extend_from_slice(&states[nc]);
+                finals[2].extend_from_slice(&kt[l - 1]);
+                finals[3].extend_from_slice(vv(l - 1));
+                // outputs and g
+                let mut y_inter = vec![vec![0.0; pd]; l];
+                let mut y_intra = vec![vec![0.0; pd]; l];
+                let mut y = vec![vec![0.0; pd]; l];
+                let mut gv = vec![vec![0.0; pd]; l];
+                for c in 0..nc {
+                    for t in c * qz..=last(c) {
+                        let qkd = dot(&qt[t], &kt[t]);
+                        for a in 0..pd {
+                            y_inter[t][a] = acs[t].exp() * dot(&states[c][a * n..][..n], &qt[t]);
+                            for j in c * qz..t {
+                                y_intra[t][a] += (acs[t] - acs[j]).exp() * scale[j] * dot(&qt[t], &kt[j]) * vv(j)[a];
+                            }
+                            y[t][a] = y_inter[t][a] + y_intra[t][a] + (gamma[t] * qkd + d) * vv(t)[a];
+                            let row = x.blh(b, t, h, pd) + a;
+                            match x.z {
+                                Some(z) => {
+                                    out[row] = y[t][a] * silu(z[row]);
+                                    gv[t][a] = dout[row] * silu(z[row]);
+                                    g!("dz")[row] = dout[row] * y[t][a] * silu_derivative(z[row]);
+                                }
+                                None => {
+                                    out[row] = y[t][a];
+                                    gv[t][a] = dout[row];
+                                }
+                            }
+                        }
+                    }
+                }
+                // dS_loc and the reverse state pass: dstates[c] = gradient of the state leaving chunk c
+                let mut dstates = vec![vec![0.0; pd * n]; nc];
+                let mut running = dfin[1].map_or(vec![0.0; pd * n], |df| df[bh * pd * n..][..pd * n].to_vec());
+                for c in (0..nc).rev() {
+                    dstates[c] = running.clone();
+                    let al = acs[last(c)];
+                    let mut next: Vec<f64> = running.iter().map(|e| al.exp() * e).collect();
+                    for t in c * qz..=last(c) {
+                        for a in 0..pd {
+                            for j in 0..n {
+                                next[a * n + j] += acs[t].exp() * gv[t][a] * qt[t][j];
+                            }
+                        }
+                    }
+                    running = next;
+                }
+                let ds_in0 = running;
+                // chunk backward: dv, dscale, dgamma, dadt, dD
+                let mut dscale = vec![0.0; l];
+                let mut dgamma = vec![0.0; l];
+                for c in 0..nc {
+                    let (c0, cl) = (c * qz, last(c));
+                    let al = acs[cl];
+                    let mut dacs = vec![0.0; cl + 1 - c0];
+                    let mut da_last = al.exp() * dot(&dstates[c], &states[c]);
+                    for t in c0..=cl {
+                        let wst: Vec<f64> =
+                            (0..pd).map(|a| (al - acs[t]).exp() * dot(&dstates[c][a * n..][..n], &kt[t])).collect();
+                        let mut w = wst.clone();
+                        for sx in t + 1..=cl {
+                            let m = (acs[sx] - acs[t]).exp() * dot(&qt[sx], &kt[t]);
+                            for a in 0..pd {
+                                w[a] += m * gv[sx][a];
+                            }
+                        }
+                        let qkd = dot(&qt[t], &kt[t]);
+                        for a in 0..pd {
+                            let row = x.blh(b, t, h, pd) + a;
+                            g!("dv")[row] = scale[t] * w[a] + (gamma[t] * qkd + d) * gv[t][a];
+                            if t == l - 1 {
+                                if let Some(df) = dfin[3] {
+                                    g!("dv")[row] += df[bh * pd + a];
+                                }
+                            }
+                        }
+                        dscale[t] = dot(vv(t), &w);
+                        let gdotv = dot(&gv[t], vv(t));
+                        dgamma[t] = dscale[t] + qkd * gdotv;
+                        g!("dd")[h] += gdotv;
+                        let yy: Vec<f64> = (0..pd).map(|a| y_inter[t][a] + y_intra[t][a]).collect();
+                        dacs[t - c0] = dot(&gv[t], &yy) - scale[t] * dscale[t];
+                        da_last += scale[t] * dot(vv(t), &wst);
+                    }
+                    *dacs.last_mut().unwrap() += da_last;
+                    let mut acc = 0.0;
+                    for t in (c0..=cl).rev() {
+                        acc += dacs[t - c0];
+                        g!("dadt")[x.bht(b, h, t)] = acc;
+                    }
+                }
+                // dq, dk, dθ
+                let mut dtheta = vec![0.0; l * s];
+                for c in 0..nc {
+                    let (c0, cl) = (c * qz, last(c));
+                    let al = acs[cl];
+                    for t in c0..=cl {
+                        let mut dq_rot = vec![0.0; n];
+                        let mut dk_rot = vec![0.0; n];
+                        for j in 0..n {
+                            dq_rot[j] = acs[t].exp() * (0..pd).map(|a| gv[t][a] * states[c][a * n + j]).sum::<f64>();
+                            let mut acc =
+                                (al - acs[t]).exp() * (0..pd).map(|a| vv(t)[a] * dstates[c][a * n + j]).sum::<f64>();
+                            for jj in c0..t {
+                                dq_rot[j] += (acs[t] - acs[jj]).exp() * scale[jj] * dot(&gv[t], vv(jj)) * kt[jj][j];
+                            }
+                            for sx in t + 1..=cl {
+                                acc += (acs[sx] - acs[t]).exp() * dot(&gv[sx], vv(t)) * qt[sx][j];
+                            }
+                            dk_rot[j] = scale[t] * acc;
+                        }
+                        if t == l - 1 {
+                            if let Some(df) = dfin[2] {
+                                for j in 0..n {
+                                    dk_rot[j] += df[bh * n + j];
+                                }
+                            }
+                        }
+                        let th: Vec<f64> = (0..s).map(|r| theta_start[c][r] + theta_loc[t * s + r]).collect();
+                        let qraw: Vec<f64> = (0..n).map(|j| x.q[x.blg(b, t, grp) + j] + x.q_bias[h * n + j]).collect();
+                        let kraw: Vec<f64> = (0..n).map(|j| x.k[x.blg(b, t, grp) + j] + x.k_bias[h * n + j]).collect();
+                        let gvd = gamma[t] * dot(&gv[t], vv(t));
+                        let mut dqp: Vec<f64> = (0..n).map(|j| dq_rot[j] + gvd * kraw[j]).collect();
+                        let mut dkp: Vec<f64> = (0..n).map(|j| dk_rot[j] + gvd * qraw[j]).collect();
+                        for r in 0..s {
+                            let (sn, cs) = wrap(th[r]).sin_cos();
+                            let mut angle = 0.0;
+                            for (raw, grad, o) in [(&qraw, &dq_rot, &mut dqp), (&kraw, &dk_rot, &mut dkp)] {
+                                let (u0, u1) = (raw[2 * r], raw[2 * r + 1]);
+                                let (g0, g1) = (grad[2 * r], grad[2 * r + 1]);
+                                o[2 * r] += cs * g0 + sn * g1 - g0;
+                                o[2 * r + 1] += -sn * g0 + cs * g1 - g1;
+                                angle += g0 * (-sn * u0 - cs * u1) + g1 * (cs * u0 - sn * u1);
+                            }
+                            dtheta[t * s + r] = angle;
+                        }
+                        let qrow = x.blg(b, t, grp);
+                        for j in 0..n {
+                            g!("dq")[qrow + j] += dqp[j];
+                            g!("dk")[qrow + j] += dkp[j];
+                            g!("dq_bias")[h * n + j] += dqp[j];
+                            g!("dk_bias")[h * n + j] += dkp[j];
+                        }
+                    }
+                }
+                // angle suffix, state gradients, tail
+                let mut carry = vec![vec![0.0; s]; nc];
+                let mut run_s = dfin[0].map_or(vec![0.0; s], |df| df[bh * s..][..s].to_vec());
+                for c in (0..nc).rev() {
+                    carry[c] = run_s.clone();
+                    for t in c * qz..=last(c) {
+                        for r in 0..s {
+                            run_s[r] += dtheta[t * s + r];
+                        }
+                    }
+                }
+                let mut dmu0 = 0.0;
+                if let Some(st) = &x.states {
+                    let (kin, vin) = (&st[2][bh * n..][..n], &st[3][bh * pd..][..pd]);
+                    let m0 = mu(0);
+                    g!("dangle_state")[bh * s..][..s].copy_from_slice(&run_s);
+                    g!("dssm_state")[bh * pd * n..][..pd * n].copy_from_slice(&ds_in0);
+                    for a in 0..pd {
+                        let dk_in = dot(&ds_in0[a * n..][..n], kin);
+                        g!("dv_state")[bh * pd + a] = m0 * dk_in;
+                        dmu0 += vin[a] * dk_in;
+                    }
+                    for j in 0..n {
+                        g!("dk_state")[bh * n + j] = m0 * (0..pd).map(|a| ds_in0[a * n + j] * vin[a]).sum::<f64>();
+                    }
+                }
+                for c in 0..nc {
+                    let mut phi = carry[c].clone();
+                    for t in (c * qz..=last(c)).rev() {
+                        let i = x.bht(b, h, t);
+                        let mut angle_dt = 0.0;
+                        for r in 0..s {
+                            phi[r] += dtheta[t * s + r];
+                            let th = x.angles[x.blh(b, t, h, s) + r].tanh();
+                            g!("dangles")[x.blh(b, t, h, s) + r] = phi[r] * PI * x.dt[i] * (1.0 - th * th);
+                            angle_dt += phi[r] * PI * th;
+                        }
+                        let lambda = sigmoid(x.trap[i]);
+                        let dmu = if t > 0 { dscale[t - 1] } else { dmu0 };
+                        g!("ddt")[i] = lambda * dgamma[t] + (1.0 - lambda) * dmu + angle_dt;
+                        g!("dtrap")[i] = x.dt[i] * (dgamma[t] - dmu) * lambda * (1.0 - lambda);
+                    }
+                }
+            }
+        }
+        Chunked { p: p.clone(), out, finals, grads }
+    }
+
+    #[test]
+    fn chunked_model_matches_sequential_reference() {
+        for (chunk, length, states, z, d) in [
+            (4, 11, true, true, true),
+            (3, 7, false, false, true),
+            (5, 5, true, false, false),
+            (8, 1, true, true, true),
+        ] {
+            let shape = SisoShape {
+                batch: 2,
+                length,
+                heads: 4,
+                groups: 2,
+                state: 8,
+                head_dim: 3,
+                rope: 3,
+                chunk,
+                d,
+                z,
+                states,
+                final_grads: true,
+            };
+            let p = SisoProblem {
+                batch: 2,
+                length,
+                heads: 4,
+                groups: 2,
+                state: 8,
+                head_dim: 3,
+                rope: 3,
+                chunk,
+                has_d: d,
+                has_z: z,
+                has_states: states,
+                has_dfinal: [true; 4],
+            };
+            let (inputs, _) = example_inputs(&shape, true, 17);
+            let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+            let model = run(&p, &wide);
+            let fwd = reference_forward(&model.p, &wide);
+            let bwd = reference_backward(&model.p, &wide);
+            let close = |name: &str, a: &[f64], b: &[f64]| {
+                let scale = b.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+                let err = a.iter().zip(b).fold(0.0f64, |m, (x, y)| m.max((x - y).abs())) / scale;
+                assert!(err < 1e-12, "chunk {chunk} length {length}: {name} differs by {err:e}");
+            };
+            close("out", &model.out, fwd["out"].data());
+            for (i, name) in FINAL_STATES.iter().enumerate() {
+                close(name, &model.finals[i], fwd[*name].data());
+            }
+            for (name, want) in &bwd {
+                close(name, model.grads[name].data(), want.data());
+            }
+        }
+    }
+}
