@@ -32,7 +32,7 @@ use std::f64::consts::{PI, TAU};
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
 use crate::kernels;
-use crate::ops::math::{sigmoid, silu, silu_derivative};
+use crate::ops::math::{sigmoid, silu, silu_derivative, wrap_angle};
 use crate::ops::reduce::{column_sums, Partials};
 use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
 use crate::push_constants;
@@ -227,7 +227,7 @@ impl<'a> Inputs<'a> {
 /// Rotates the pairs (2i, 2i+1), i < S, of `u` by `angles[i]`, in place.
 fn rotate(u: &mut [f64], angles: &[f64]) {
     for (i, &theta) in angles.iter().enumerate() {
-        let wrapped = theta.rem_euclid(TAU);
+        let wrapped = wrap_angle(theta);
         let (s, c) = wrapped.sin_cos();
         let (u0, u1) = (u[2 * i], u[2 * i + 1]);
         u[2 * i] = u0 * c - u1 * s;
@@ -355,7 +355,7 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
             let trace = forward_sequence(&x, b, h, &mut out, false);
             let bh = b * p.heads + h;
             for (o, th) in final_angle[bh * s..][..s].iter_mut().zip(&trace.final_theta) {
-                *o = th.rem_euclid(TAU);
+                *o = wrap_angle(*th);
             }
             final_ssm[bh * pd * n..][..pd * n].copy_from_slice(&trace.final_h);
             final_k[bh * n..][..n].copy_from_slice(&trace.final_k);
@@ -479,7 +479,7 @@ pub fn reference_backward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap
                 let mut dq_raw = dq_rot.clone();
                 let mut dk_raw = dk_rot.clone();
                 for (pair, &th) in theta.iter().enumerate() {
-                    let (sn, cs) = th.rem_euclid(TAU).sin_cos();
+                    let (sn, cs) = wrap_angle(th).sin_cos();
                     let mut angle = 0.0;
                     for (raw, grad, out) in [
                         (&tr.q_raw[t * n..][..n], &dq_rot, &mut dq_raw),
@@ -549,6 +549,692 @@ pub fn reference_backward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap
         result.insert("dv_state".into(), tensor(vec![bsz, p.heads, pd], dv_state));
     }
     result
+}
+
+// ------------------------------------------------------------------------------------------------
+// GPU launch glue
+// ------------------------------------------------------------------------------------------------
+
+push_constants! {
+    /// Push constants of `mamba3_siso_prep.slang` (both entry points).
+    pub struct SisoPrepPush {
+        adt: u32,
+        dt: u32,
+        trap: u32,
+        angles: u32,
+        k: u32,
+        k_bias: u32,
+        v: u32,
+        angle_state: u32,
+        acs: u32,
+        scale: u32,
+        gamma: u32,
+        theta_loc: u32,
+        theta_start: u32,
+        final_angle_state: u32,
+        final_k_state: u32,
+        final_v_state: u32,
+        batch: u32,
+        length: u32,
+        heads: u32,
+        groups: u32,
+        state: u32,
+        head_dim: u32,
+        rope: u32,
+        chunk: u32,
+        chunks: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<SisoPrepPush>() == kernels::mamba3_siso_prep::PUSH_CONSTANT_BYTES);
+
+push_constants! {
+    /// Push constants of `mamba3_siso_state.slang` (chunk states and state passing).
+    pub struct SisoStatePush {
+        q: u32,
+        k: u32,
+        v: u32,
+        z: u32,
+        dout: u32,
+        q_bias: u32,
+        k_bias: u32,
+        acs: u32,
+        scale: u32,
+        theta_loc: u32,
+        theta_start: u32,
+        states: u32,
+        init_state: u32,
+        k_state: u32,
+        v_state: u32,
+        dt: u32,
+        trap: u32,
+        final_state: u32,
+        batch: u32,
+        length: u32,
+        heads: u32,
+        groups: u32,
+        state: u32,
+        head_dim: u32,
+        rope: u32,
+        chunk: u32,
+        chunks: u32,
+        tiles_p: u32,
+        tiles_n: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<SisoStatePush>() == kernels::mamba3_siso_state::PUSH_CONSTANT_BYTES);
+
+push_constants! {
+    /// Push constants of `mamba3_siso_chunk.slang` (per-chunk output and its backward).
+    pub struct SisoChunkPush {
+        q: u32,
+        k: u32,
+        v: u32,
+        z: u32,
+        dout: u32,
+        d: u32,
+        q_bias: u32,
+        k_bias: u32,
+        acs: u32,
+        scale: u32,
+        gamma: u32,
+        theta_loc: u32,
+        theta_start: u32,
+        states: u32,
+        dstates: u32,
+        out: u32,
+        dv: u32,
+        dz: u32,
+        dadt: u32,
+        dscale: u32,
+        dgamma: u32,
+        dd_partial: u32,
+        dfinal_v: u32,
+        batch: u32,
+        length: u32,
+        heads: u32,
+        groups: u32,
+        state: u32,
+        head_dim: u32,
+        rope: u32,
+        chunk: u32,
+        chunks: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<SisoChunkPush>() == kernels::mamba3_siso_chunk::PUSH_CONSTANT_BYTES);
+
+push_constants! {
+    /// Push constants of `mamba3_siso_dqk.slang`.
+    pub struct SisoDqkPush {
+        q: u32,
+        k: u32,
+        v: u32,
+        z: u32,
+        dout: u32,
+        q_bias: u32,
+        k_bias: u32,
+        acs: u32,
+        scale: u32,
+        gamma: u32,
+        theta_loc: u32,
+        theta_start: u32,
+        states: u32,
+        dstates: u32,
+        dfinal_k: u32,
+        dq: u32,
+        dk: u32,
+        dtheta: u32,
+        dtheta_sum: u32,
+        qbias_partial: u32,
+        kbias_partial: u32,
+        batch: u32,
+        length: u32,
+        heads: u32,
+        groups: u32,
+        state: u32,
+        head_dim: u32,
+        rope: u32,
+        chunk: u32,
+        chunks: u32,
+        tiles_n: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<SisoDqkPush>() == kernels::mamba3_siso_dqk::PUSH_CONSTANT_BYTES);
+
+push_constants! {
+    /// Push constants of `mamba3_siso_tail.slang` (angle suffix, input-state gradients, dt/trap/angles).
+    pub struct SisoTailPush {
+        dtheta: u32,
+        dtheta_sum: u32,
+        carry: u32,
+        dfinal_angle: u32,
+        dangle_state: u32,
+        angles: u32,
+        dt: u32,
+        trap: u32,
+        dscale: u32,
+        dgamma: u32,
+        dmu0: u32,
+        ddt: u32,
+        dtrap: u32,
+        dangles: u32,
+        dssm_state: u32,
+        k_state: u32,
+        v_state: u32,
+        dk_state: u32,
+        dv_state: u32,
+        batch: u32,
+        length: u32,
+        heads: u32,
+        state: u32,
+        head_dim: u32,
+        rope: u32,
+        chunk: u32,
+        chunks: u32,
+    }
+}
+const _: () = assert!(std::mem::size_of::<SisoTailPush>() == kernels::mamba3_siso_tail::PUSH_CONSTANT_BYTES);
+
+/// Columns of one output tile of the chunk kernels (SISO_TILE in siso_tile.slang).
+const TILE: usize = 64;
+/// Threads of the element-wise state pass.
+const STATE_PASS_THREADS: usize = 256;
+
+/// The slots every pass shares: inputs and the forward scratch.
+struct Common {
+    q: u32,
+    k: u32,
+    v: u32,
+    z: u32,
+    d: u32,
+    q_bias: u32,
+    k_bias: u32,
+    trap: u32,
+    dt: u32,
+    angles: u32,
+    states_in: Option<[u32; 4]>,
+    acs: u32,
+    scale: u32,
+    gamma: u32,
+    theta_loc: u32,
+    theta_start: u32,
+    states: u32,
+}
+
+fn u(value: usize) -> u32 {
+    value as u32
+}
+
+/// Allocates the forward scratch and records prep, angle pass, chunk states and the state pass.
+/// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
+fn record_states(
+    p: &SisoProblem,
+    gpu: &dyn Gpu,
+    inputs: &GpuTensors,
+    recorded: &mut Recorded,
+    op: &str,
+    finals: [u32; 4],
+) -> Result<Common> {
+    let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
+    let states_in = if p.has_states {
+        Some([
+            slot(inputs, op, "angle_state")?,
+            slot(inputs, op, "ssm_state")?,
+            slot(inputs, op, "k_state")?,
+            slot(inputs, op, "v_state")?,
+        ])
+    } else {
+        None
+    };
+    let common = Common {
+        q: slot(inputs, op, "q")?,
+        k: slot(inputs, op, "k")?,
+        v: slot(inputs, op, "v")?,
+        z: optional_slot(inputs, "z"),
+        d: optional_slot(inputs, "d"),
+        q_bias: slot(inputs, op, "q_bias")?,
+        k_bias: slot(inputs, op, "k_bias")?,
+        trap: slot(inputs, op, "trap")?,
+        dt: slot(inputs, op, "dt")?,
+        angles: slot(inputs, op, "angles")?,
+        states_in,
+        acs: recorded.scratch(gpu, op, "cumulative decay (scratch)", bh * l)?,
+        scale: recorded.scratch(gpu, op, "input scale (scratch)", bh * l)?,
+        gamma: recorded.scratch(gpu, op, "gamma (scratch)", bh * l)?,
+        theta_loc: recorded.scratch(gpu, op, "in-chunk angles (scratch)", bh * l * p.rope)?,
+        theta_start: recorded.scratch(gpu, op, "chunk angle prefixes (scratch)", bh * (nc + 1) * p.rope)?,
+        states: recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
+    };
+    let prep = SisoPrepPush {
+        adt: slot(inputs, op, "adt")?,
+        dt: common.dt,
+        trap: common.trap,
+        angles: common.angles,
+        k: common.k,
+        k_bias: common.k_bias,
+        v: common.v,
+        angle_state: states_in.map_or(NO_BUFFER, |s| s[0]),
+        acs: common.acs,
+        scale: common.scale,
+        gamma: common.gamma,
+        theta_loc: common.theta_loc,
+        theta_start: common.theta_start,
+        final_angle_state: finals[0],
+        final_k_state: finals[2],
+        final_v_state: finals[3],
+        batch: u(p.batch),
+        length: u(l),
+        heads: u(p.heads),
+        groups: u(p.groups),
+        state: u(p.state),
+        head_dim: u(p.head_dim),
+        rope: u(p.rope),
+        chunk: u(p.chunk),
+        chunks: u(nc),
+    };
+    recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_PREP, (bh * nc) as u64, &prep)?);
+    recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_ANGLE_PASS, bh as u64, &prep)?);
+    let state = state_push(p, &common, NO_BUFFER, common.states, finals[1]);
+    let state = SisoStatePush {
+        init_state: states_in.map_or(NO_BUFFER, |s| s[1]),
+        k_state: states_in.map_or(NO_BUFFER, |s| s[2]),
+        v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
+        ..state
+    };
+    let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(TILE);
+    recorded.dispatches.push(Dispatch::linear(
+        kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_STATE,
+        tiles as u64,
+        &state,
+    )?);
+    let elements = bh * p.head_dim * p.state;
+    recorded.dispatches.push(Dispatch::linear(
+        kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS,
+        elements.div_ceil(STATE_PASS_THREADS) as u64,
+        &state,
+    )?);
+    Ok(common)
+}
+
+fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
+    SisoStatePush {
+        q: c.q,
+        k: c.k,
+        v: c.v,
+        z: c.z,
+        dout,
+        q_bias: c.q_bias,
+        k_bias: c.k_bias,
+        acs: c.acs,
+        scale: c.scale,
+        theta_loc: c.theta_loc,
+        theta_start: c.theta_start,
+        states,
+        init_state: NO_BUFFER,
+        k_state: NO_BUFFER,
+        v_state: NO_BUFFER,
+        dt: c.dt,
+        trap: c.trap,
+        final_state,
+        batch: u(p.batch),
+        length: u(p.length),
+        heads: u(p.heads),
+        groups: u(p.groups),
+        state: u(p.state),
+        head_dim: u(p.head_dim),
+        rope: u(p.rope),
+        chunk: u(p.chunk),
+        chunks: u(p.chunks()),
+        tiles_p: u(p.head_dim.div_ceil(TILE)),
+        tiles_n: u(p.state.div_ceil(TILE)),
+    }
+}
+
+fn chunk_push(p: &SisoProblem, c: &Common) -> SisoChunkPush {
+    SisoChunkPush {
+        q: c.q,
+        k: c.k,
+        v: c.v,
+        z: c.z,
+        dout: NO_BUFFER,
+        d: c.d,
+        q_bias: c.q_bias,
+        k_bias: c.k_bias,
+        acs: c.acs,
+        scale: c.scale,
+        gamma: c.gamma,
+        theta_loc: c.theta_loc,
+        theta_start: c.theta_start,
+        states: c.states,
+        dstates: NO_BUFFER,
+        out: NO_BUFFER,
+        dv: NO_BUFFER,
+        dz: NO_BUFFER,
+        dadt: NO_BUFFER,
+        dscale: NO_BUFFER,
+        dgamma: NO_BUFFER,
+        dd_partial: NO_BUFFER,
+        dfinal_v: NO_BUFFER,
+        batch: u(p.batch),
+        length: u(p.length),
+        heads: u(p.heads),
+        groups: u(p.groups),
+        state: u(p.state),
+        head_dim: u(p.head_dim),
+        rope: u(p.rope),
+        chunk: u(p.chunk),
+        chunks: u(p.chunks()),
+    }
+}
+
+/// Bytes of the tensors every pass reads at least once.
+fn input_bytes(p: &SisoProblem) -> u64 {
+    let (b, l, h, g, n, pd, s) = (p.batch, p.length, p.heads, p.groups, p.state, p.head_dim, p.rope);
+    let mut elements = 2 * b * l * g * n + b * l * h * pd + 3 * b * h * l + 2 * h * n + b * l * h * s;
+    if p.has_d {
+        elements += h;
+    }
+    if p.has_z {
+        elements += b * l * h * pd;
+    }
+    if p.has_states {
+        elements += b * h * (s + pd * n + n + pd);
+    }
+    4 * elements as u64
+}
+
+/// `mamba3_siso_fwd`.
+pub struct SisoFwd;
+
+impl OpDef for SisoFwd {
+    const NAME: &'static str = "mamba3_siso_fwd";
+    type Problem = SisoProblem;
+
+    fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
+        check_common(shapes, scalars)
+    }
+
+    fn reference(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
+        reference_forward(p, inputs)
+    }
+
+    fn record(p: &SisoProblem, gpu: &dyn Gpu, inputs: &GpuTensors) -> Result<Recorded> {
+        let op = Self::NAME;
+        let mut recorded = Recorded::default();
+        let (b, h) = (p.batch, p.heads);
+        let out = recorded.output(gpu, op, "out", vec![b, p.length, h, p.head_dim])?;
+        let finals = [
+            recorded.output(gpu, op, "final_angle_state", vec![b, h, p.rope])?,
+            recorded.output(gpu, op, "final_ssm_state", vec![b, h, p.head_dim, p.state])?,
+            recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
+            recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
+        ];
+        let common = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        let push = SisoChunkPush { out, ..chunk_push(p, &common) };
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_FWD,
+            (b * h * p.chunks()) as u64,
+            &push,
+        )?);
+        Ok(recorded)
+    }
+
+    fn traffic_bytes(p: &SisoProblem) -> u64 {
+        let (b, h, n, pd) = (p.batch, p.heads, p.state, p.head_dim);
+        input_bytes(p) + 4 * (b * p.length * h * pd + b * h * (p.rope + pd * n + n + pd)) as u64
+    }
+
+    /// Per step of every (b, h): the chunk's state contribution (2PN), the inter-chunk output (2PN),
+    /// and the causal halves of the intra-chunk scores (Q·N) and their product with v (Q·P).
+    fn flops(p: &SisoProblem) -> u64 {
+        let per_step = 4 * p.head_dim * p.state + p.chunk * (p.state + p.head_dim);
+        (p.batch * p.heads * p.length * per_step) as u64
+    }
+
+    fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
+        example_inputs(&SisoShape::for_size(size), false, seed)
+    }
+}
+
+/// `mamba3_siso_bwd`.
+pub struct SisoBwd;
+
+const DFINAL: [&str; 4] = ["dfinal_angle_state", "dfinal_ssm_state", "dfinal_k_state", "dfinal_v_state"];
+
+impl OpDef for SisoBwd {
+    const NAME: &'static str = "mamba3_siso_bwd";
+    type Problem = SisoProblem;
+
+    fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
+        let mut p = check_common(shapes, scalars)?;
+        let (b, l, h, n, pd, s) = (p.batch, p.length, p.heads, p.state, p.head_dim, p.rope);
+        shapes.expect("dout", &[("B", b), ("L", l), ("H", h), ("P", pd)])?;
+        p.has_dfinal = [
+            shapes.expect_optional(DFINAL[0], &[("B", b), ("H", h), ("S", s)])?,
+            shapes.expect_optional(DFINAL[1], &[("B", b), ("H", h), ("P", pd), ("N", n)])?,
+            shapes.expect_optional(DFINAL[2], &[("B", b), ("H", h), ("N", n)])?,
+            shapes.expect_optional(DFINAL[3], &[("B", b), ("H", h), ("P", pd)])?,
+        ];
+        Ok(p)
+    }
+
+    fn reference(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
+        reference_backward(p, inputs)
+    }
+
+    fn record(p: &SisoProblem, gpu: &dyn Gpu, inputs: &GpuTensors) -> Result<Recorded> {
+        let op = Self::NAME;
+        let mut recorded = Recorded::default();
+        let (b, l, h, g, n, pd, s, nc) =
+            (p.batch, p.length, p.heads, p.groups, p.state, p.head_dim, p.rope, p.chunks());
+        let bh = b * h;
+        let dout = slot(inputs, op, "dout")?;
+        let dfinal = DFINAL.map(|name| optional_slot(inputs, name));
+
+        let dq = recorded.output(gpu, op, "dq", vec![b, l, g, n])?;
+        let dk = recorded.output(gpu, op, "dk", vec![b, l, g, n])?;
+        let dv = recorded.output(gpu, op, "dv", vec![b, l, h, pd])?;
+        let dadt = recorded.output(gpu, op, "dadt", vec![b, h, l])?;
+        let ddt = recorded.output(gpu, op, "ddt", vec![b, h, l])?;
+        let dtrap = recorded.output(gpu, op, "dtrap", vec![b, h, l])?;
+        let dq_bias = recorded.output(gpu, op, "dq_bias", vec![h, n])?;
+        let dk_bias = recorded.output(gpu, op, "dk_bias", vec![h, n])?;
+        let dangles = recorded.output(gpu, op, "dangles", vec![b, l, h, s])?;
+        let dd = if p.has_d { recorded.output(gpu, op, "dd", vec![h])? } else { NO_BUFFER };
+        let dz = if p.has_z { recorded.output(gpu, op, "dz", vec![b, l, h, pd])? } else { NO_BUFFER };
+        let dstates_in = if p.has_states {
+            [
+                recorded.output(gpu, op, "dangle_state", vec![b, h, s])?,
+                recorded.output(gpu, op, "dssm_state", vec![b, h, pd, n])?,
+                recorded.output(gpu, op, "dk_state", vec![b, h, n])?,
+                recorded.output(gpu, op, "dv_state", vec![b, h, pd])?,
+            ]
+        } else {
+            [NO_BUFFER; 4]
+        };
+
+        // forward recomputation: S_in of every chunk
+        let common = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+
+        // gradient of the state leaving every chunk
+        let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
+        let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
+        let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(TILE);
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE,
+            tiles as u64,
+            &dstate,
+        )?);
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
+            (bh * pd * n).div_ceil(STATE_PASS_THREADS) as u64,
+            &dstate,
+        )?);
+
+        // per chunk: dv, dz, dadt, dscale, dγ, dd partials
+        let dscale = recorded.scratch(gpu, op, "dscale (scratch)", bh * l)?;
+        let dgamma = recorded.scratch(gpu, op, "dgamma (scratch)", bh * l)?;
+        let dd_partial = if p.has_d { recorded.scratch(gpu, op, "dd partials", b * nc * h)? } else { NO_BUFFER };
+        let chunk = SisoChunkPush {
+            dout,
+            dstates,
+            dv,
+            dz,
+            dadt,
+            dscale,
+            dgamma,
+            dd_partial,
+            dfinal_v: dfinal[3],
+            ..chunk_push(p, &common)
+        };
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD,
+            (bh * nc) as u64,
+            &chunk,
+        )?);
+
+        // per chunk and group: dq, dk, dθ, bias partials
+        let dtheta = recorded.scratch(gpu, op, "angle gradients (scratch)", bh * l * s)?;
+        let dtheta_sum = recorded.scratch(gpu, op, "chunk angle gradient sums (scratch)", bh * nc * s)?;
+        let qbias_partial = recorded.scratch(gpu, op, "dq_bias partials", b * nc * h * n)?;
+        let kbias_partial = recorded.scratch(gpu, op, "dk_bias partials", b * nc * h * n)?;
+        let tiles_n = n.div_ceil(TILE);
+        let dqk = SisoDqkPush {
+            q: common.q,
+            k: common.k,
+            v: common.v,
+            z: common.z,
+            dout,
+            q_bias: common.q_bias,
+            k_bias: common.k_bias,
+            acs: common.acs,
+            scale: common.scale,
+            gamma: common.gamma,
+            theta_loc: common.theta_loc,
+            theta_start: common.theta_start,
+            states: common.states,
+            dstates,
+            dfinal_k: dfinal[2],
+            dq,
+            dk,
+            dtheta,
+            dtheta_sum,
+            qbias_partial,
+            kbias_partial,
+            batch: u(b),
+            length: u(l),
+            heads: u(h),
+            groups: u(g),
+            state: u(n),
+            head_dim: u(pd),
+            rope: u(s),
+            chunk: u(p.chunk),
+            chunks: u(nc),
+            tiles_n: u(tiles_n),
+        };
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
+            (b * g * nc * tiles_n) as u64,
+            &dqk,
+        )?);
+
+        // angles, input states, dt and trap
+        let carry = recorded.scratch(gpu, op, "angle gradient carries (scratch)", bh * nc * s)?;
+        let dmu0 = if p.has_states { recorded.scratch(gpu, op, "dmu0 (scratch)", bh)? } else { NO_BUFFER };
+        let states_in = common.states_in;
+        let tail = SisoTailPush {
+            dtheta,
+            dtheta_sum,
+            carry,
+            dfinal_angle: dfinal[0],
+            dangle_state: dstates_in[0],
+            angles: common.angles,
+            dt: common.dt,
+            trap: common.trap,
+            dscale,
+            dgamma,
+            dmu0,
+            ddt,
+            dtrap,
+            dangles,
+            dssm_state: dstates_in[1],
+            k_state: states_in.map_or(NO_BUFFER, |st| st[2]),
+            v_state: states_in.map_or(NO_BUFFER, |st| st[3]),
+            dk_state: dstates_in[2],
+            dv_state: dstates_in[3],
+            batch: u(b),
+            length: u(l),
+            heads: u(h),
+            state: u(n),
+            head_dim: u(pd),
+            rope: u(s),
+            chunk: u(p.chunk),
+            chunks: u(nc),
+        };
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_tail::MAMBA3_SISO_ANGLE_SUFFIX,
+            bh as u64,
+            &tail,
+        )?);
+        if p.has_states {
+            recorded.dispatches.push(Dispatch::linear(
+                kernels::mamba3_siso_tail::MAMBA3_SISO_STATE_GRADS,
+                bh as u64,
+                &tail,
+            )?);
+        }
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_tail::MAMBA3_SISO_TAIL,
+            (bh * nc) as u64,
+            &tail,
+        )?);
+
+        // sums over batch and time, in a fixed order
+        let rows = b * nc;
+        for (partial, output) in [(qbias_partial, dq_bias), (kbias_partial, dk_bias)] {
+            let partials = Partials { slot: partial, rows, cols: h * n, offset: 0, row_stride: h * n };
+            column_sums(&mut recorded, gpu, op, partials, output)?;
+        }
+        if p.has_d {
+            let partials = Partials { slot: dd_partial, rows, cols: h, offset: 0, row_stride: h };
+            column_sums(&mut recorded, gpu, op, partials, dd)?;
+        }
+        Ok(recorded)
+    }
+
+    fn traffic_bytes(p: &SisoProblem) -> u64 {
+        let (b, l, h, g, n, pd, s) = (p.batch, p.length, p.heads, p.groups, p.state, p.head_dim, p.rope);
+        let mut grads = 2 * b * l * g * n + b * l * h * pd + 3 * b * h * l + 2 * h * n + b * l * h * s;
+        let mut reads = b * l * h * pd; // dout
+        if p.has_d {
+            grads += h;
+        }
+        if p.has_z {
+            grads += b * l * h * pd;
+        }
+        if p.has_states {
+            grads += b * h * (s + pd * n + n + pd);
+        }
+        reads += p
+            .has_dfinal
+            .iter()
+            .zip([s, pd * n, n, pd])
+            .filter(|(given, _)| **given)
+            .map(|(_, e)| b * h * e)
+            .sum::<usize>();
+        input_bytes(p) + 4 * (grads + reads) as u64
+    }
+
+    /// Per step of every (b, h): recomputed chunk state, dS_loc, the inter-chunk output, the state
+    /// term of dv/dscale, the inter-chunk dq and the state term of dk (2PN each), and the causal
+    /// halves of the six chunk-local products (scores, y, W, g·vᵀ: Q·N or Q·P each; dq, dk: Q·N).
+    fn flops(p: &SisoProblem) -> u64 {
+        let per_step = 12 * p.head_dim * p.state + p.chunk * (3 * p.state + 3 * p.head_dim);
+        (p.batch * p.heads * p.length * per_step) as u64
+    }
+
+    fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
+        example_inputs(&SisoShape::for_size(size), true, seed)
+    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -678,6 +1364,16 @@ mod tests {
             has_states: s.states,
             has_dfinal: [s.final_grads; 4],
         }
+    }
+
+    #[test]
+    fn push_layouts_match_reflection() {
+        use crate::gpu::check_push_layout;
+        check_push_layout::<SisoPrepPush>(kernels::mamba3_siso_prep::FILE).unwrap();
+        check_push_layout::<SisoStatePush>(kernels::mamba3_siso_state::FILE).unwrap();
+        check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_chunk::FILE).unwrap();
+        check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk::FILE).unwrap();
+        check_push_layout::<SisoTailPush>(kernels::mamba3_siso_tail::FILE).unwrap();
     }
 
     /// Central finite differences of a random linear loss of every output (out and the four final

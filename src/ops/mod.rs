@@ -228,6 +228,8 @@ pub static OPS: &[&dyn Op] = &[
     &Registered::<rmsnorm::RmsNormBwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessFwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessBwd>(PhantomData),
+    &Registered::<mamba3_siso::SisoFwd>(PhantomData),
+    &Registered::<mamba3_siso::SisoBwd>(PhantomData),
 ];
 
 /// The op called `name`.
