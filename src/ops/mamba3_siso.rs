@@ -1438,6 +1438,7 @@ mod tests {
 /// An f64 model of the chunked algorithm the kernels run (shifted-state form, per-chunk passes),
 /// checked against the sequential reference. It documents the kernels' math in plain loops.
 #[cfg(test)]
+#[allow(clippy::needless_range_loop)] // index loops mirror the kernels' chunk arithmetic
 mod chunked_model {
     use super::*;
 
