@@ -9,17 +9,17 @@
 //!
 //! The GPU kernels use the chunked shifted-state form (S_t = h_t + μ_{t+1} v_t k̃_tᵀ, a plain SSM
 //! with input weight scale_t = γ_t + μ_{t+1} and an explicit diagonal term γ_t (q_t·k_t) v_t),
-//! split into passes that are parallel over (batch, head, chunk) wherever the math allows:
+//! split into passes that are parallel over (batch, head, chunk):
 //!
 //! forward: `prep` (per chunk: local cumulative decay, scale, γ, local angle cumsum) →
 //! `angle_pass` (per (b, h): angle prefix over chunks, final angle / k / v states) →
-//! `state_scan` (per (b, h) and 64×64 tile of the P×N state, over the chunks in order with the
-//! state in registers: S_in[c+1] = exp(A_c)·S_in[c] + Σ_j w_j v_j k̃_jᵀ, writing every S_in[c]) →
-//! `chunk_fwd` (per chunk: inter-chunk term, masked intra-chunk term, diagonal, D, gate).
+//! `chunk_state` (per chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
+//! S_in[c+1] = exp(A_c)·S_in[c] + S_loc[c], in place) → `chunk_fwd` (per chunk: inter-chunk term,
+//! masked intra-chunk term, diagonal, D, gate).
 //!
-//! backward: the forward's first three passes again (states entering every chunk), then
-//! `state_scan_reverse` (from the last chunk: dS_out[c−1] = exp(A_c)·dS_out[c] + Σ_t exp(A_t) g_t q̃_tᵀ,
-//! the gradient of the state leaving every chunk, and of the initial state); `chunk_bwd` (per chunk: recomputed output, dz, dv, dadt through an
+//! backward: the forward's first four passes again (states entering every chunk), then `chunk_state`
+//! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
+//! state leaving every chunk); `chunk_bwd` (per chunk: recomputed output, dz, dv, dadt through an
 //! in-chunk reverse cumsum, dscale, dγ, dD partials); `dqk` (per chunk and group, looping over the
 //! heads of the group in order: dq, dk, the angle gradient per step and per-chunk bias partials);
 //! `angle_suffix` (per (b, h): suffix sums of the angle gradient over chunks); `state_grads`
@@ -736,6 +736,8 @@ const _: () = assert!(std::mem::size_of::<SisoTailPush>() == kernels::mamba3_sis
 
 /// Columns of one output tile of the chunk kernels (SISO_TILE in siso_tile.slang).
 const TILE: usize = 64;
+/// Threads of the element-wise state pass.
+const STATE_PASS_THREADS: usize = 256;
 
 /// The slots every pass shares: inputs and the forward scratch.
 struct Common {
@@ -838,10 +840,16 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    let tiles = bh * p.head_dim.div_ceil(TILE) * p.state.div_ceil(TILE);
+    let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(TILE);
     recorded.dispatches.push(Dispatch::linear(
-        kernels::mamba3_siso_state::MAMBA3_SISO_STATE_SCAN,
+        kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_STATE,
         tiles as u64,
+        &state,
+    )?);
+    let elements = bh * p.head_dim * p.state;
+    recorded.dispatches.push(Dispatch::linear(
+        kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS,
+        elements.div_ceil(STATE_PASS_THREADS) as u64,
         &state,
     )?);
     Ok(common)
@@ -1047,13 +1055,18 @@ impl OpDef for SisoBwd {
         // forward recomputation: S_in of every chunk
         let common = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
-        // gradient of the state leaving every chunk, and of the initial state
+        // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
         let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
-        let tiles = bh * pd.div_ceil(TILE) * n.div_ceil(TILE);
+        let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(TILE);
         recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_state::MAMBA3_SISO_STATE_SCAN_REVERSE,
+            kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE,
             tiles as u64,
+            &dstate,
+        )?);
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
+            (bh * pd * n).div_ceil(STATE_PASS_THREADS) as u64,
             &dstate,
         )?);
 
