@@ -181,11 +181,7 @@ fn optimise_spirv(optimiser: &Path, spv: &Path, source: &Path) {
         .output()
         .unwrap_or_else(|e| panic!("cannot run {}: {e}", optimiser.display()));
     if !output.status.success() {
-        panic!(
-            "spirv-opt failed on the SPIR-V of {}:\n{}",
-            source.display(),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        panic!("spirv-opt failed on the SPIR-V of {}:\n{}", source.display(), String::from_utf8_lossy(&output.stderr));
     }
 }
 

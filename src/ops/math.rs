@@ -54,3 +54,8 @@ pub fn heavy_tail_derivative(x: f64) -> f64 {
         1.0 / ((1.0 - x) * (1.0 - x))
     }
 }
+
+/// x mod 2π in [0, 2π): the angle wrap of the Mamba-3 rotary state (twin of `ssm_wrap_angle`).
+pub fn wrap_angle(x: f64) -> f64 {
+    x.rem_euclid(std::f64::consts::TAU)
+}

@@ -13,6 +13,7 @@ use crate::tensor::{element_count, Scalars, Tensor, TensorMap};
 pub mod causal_conv1d;
 pub mod check;
 pub mod mamba3_preprocess;
+pub mod mamba3_siso;
 pub mod math;
 pub mod reduce;
 pub mod rmsnorm;
@@ -242,6 +243,8 @@ pub static OPS: &[&dyn Op] = &[
     &Registered::<mamba3_preprocess::PreprocessBwd>(PhantomData),
     &Registered::<causal_conv1d::CausalConv1dFwd>(PhantomData),
     &Registered::<causal_conv1d::CausalConv1dBwd>(PhantomData),
+    &Registered::<mamba3_siso::SisoFwd>(PhantomData),
+    &Registered::<mamba3_siso::SisoBwd>(PhantomData),
 ];
 
 /// The op called `name`.
