@@ -3,7 +3,9 @@
 
 CARGO ?= cargo
 # The Vulkan suite must run, with the validation layer on: a missing device is a failure.
-TEST_ENV := MAMBA_VK_VALIDATION=1 MAMBA_REQUIRE_VULKAN=1
+# NVRTC from .tools lets the CUDA compile test run on machines without CUDA.
+TEST_ENV := MAMBA_VK_VALIDATION=1 MAMBA_REQUIRE_VULKAN=1 \
+	LD_LIBRARY_PATH="$(CURDIR)/.tools/nvrtc/nvidia/cuda_nvrtc/lib$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}"
 
 .PHONY: all setup run test bench build-gpu clean
 

@@ -42,6 +42,13 @@ if [ ! -x "$spirv_opt" ]; then
 fi
 "$spirv_opt" --version >/dev/null 2>&1 || { echo "setup: $spirv_opt does not run" >&2; exit 1; }
 
+# NVRTC alone (no driver needed) so that the suite compiles every CUDA kernel even without a GPU.
+nvrtc_version="12.9.86"
+if [ ! -f "$tools/nvrtc/nvidia/cuda_nvrtc/lib/libnvrtc.so.12" ]; then
+  mkdir -p "$tools/nvrtc"
+  python3 -m pip install -q --disable-pip-version-check --no-deps --target "$tools/nvrtc" "nvidia-cuda-nvrtc-cu12==$nvrtc_version"
+fi
+
 slangc="$tools/slang/slangtorch/bin/slangc"
 if [ ! -x "$slangc" ]; then
   mkdir -p "$tools/slang"

@@ -94,6 +94,18 @@ pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -
     Ok((bytes, origin))
 }
 
+/// Compiles one kernel file for `arch` without a device or caches: the check CI runs wherever
+/// NVRTC loads, so that CUDA code generation problems show up without a GPU.
+pub fn check_compiles(file: &KernelFile, arch: &str) -> Result<usize> {
+    compile(file, &options(arch)).map(|cubin| cubin.len())
+}
+
+/// Whether NVRTC can be loaded on this machine.
+pub fn nvrtc_present() -> bool {
+    // SAFETY: only tries to open the shared library.
+    unsafe { nvrtc::is_culib_present() }
+}
+
 /// Forgets a cubin that failed to load, in memory and on disk, so that the next call recompiles.
 pub fn forget(index: usize, file: &KernelFile, arch: &str, driver_version: i32) {
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).remove(&(index, arch.to_string()));
