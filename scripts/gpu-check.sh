@@ -10,6 +10,7 @@ steps="${*:-suite compare bench}"
 run=.device/release/examples/run
 out="${OUT:-/tmp}"
 
+[ -f .device/bundle.tar.xz ] && tar -C .device -xJf .device/bundle.tar.xz
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
