@@ -44,6 +44,14 @@ for step in $steps; do
       echo "== bench: CUDA =="
       "$run" bench --backend cuda --repeats 30
       "$run" startup ;;
+    ir)
+      echo "== machine code: Vulkan pipelines (driver internal representations) and CUDA cubins =="
+      rm -rf /tmp/ir && mkdir -p /tmp/ir/vulkan /tmp/ir/cuda
+      MAMBA_VK_PIPELINE_STATS=1 MAMBA_VK_PIPELINE_IR_DIR=/tmp/ir/vulkan "$run" bench --backend vulkan --repeats 3 >/dev/null 2>&1
+      "$run" bench --backend cuda --repeats 3 >/dev/null 2>&1
+      for c in "$MAMBA_CACHE_DIR"/cuda/*.cubin; do cuobjdump -sass "$c" > "/tmp/ir/cuda/$(basename "$c").sass" 2>&1; done
+      ls /tmp/ir/vulkan | head -30
+      tar -C /tmp/ir -cJf "$out/ir.tar.xz" . && ls -la "$out/ir.tar.xz" ;;
     sanitize)
       echo "== compute-sanitizer (memcheck, racecheck) on the CUDA backend =="
       for tool in memcheck racecheck; do

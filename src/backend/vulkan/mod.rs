@@ -27,6 +27,9 @@ pub const VALIDATION_ENV: &str = "MAMBA_VK_VALIDATION";
 /// Set to 1 to print each pipeline's compiler statistics (registers, spills, shared memory) on
 /// creation, where the driver offers VK_KHR_pipeline_executable_properties.
 pub const PIPELINE_STATS_ENV: &str = "MAMBA_VK_PIPELINE_STATS";
+/// A directory: with MAMBA_VK_PIPELINE_STATS=1, also write the driver's internal representations
+/// of each pipeline (on NVIDIA, the machine code) there, one text file per kernel and stage.
+pub const PIPELINE_IR_ENV: &str = "MAMBA_VK_PIPELINE_IR_DIR";
 
 const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
 /// Upper bound on live buffers (bindless slots).
@@ -756,16 +759,23 @@ impl Shared {
             .stage(vk::ShaderStageFlags::COMPUTE)
             .module(module)
             .name(&name);
-        let flags = if self.statistics.is_some() {
-            vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
-        } else {
-            vk::PipelineCreateFlags::empty()
+        let ir_dir = std::env::var_os(PIPELINE_IR_ENV).map(std::path::PathBuf::from);
+        let flags = match (&self.statistics, &ir_dir) {
+            (None, _) => vk::PipelineCreateFlags::empty(),
+            (Some(_), None) => vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR,
+            (Some(_), Some(_)) => {
+                vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+                    | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR
+            }
         };
         let info = [vk::ComputePipelineCreateInfo::default().stage(stage).layout(self.pipeline_layout).flags(flags)];
         let pipeline = unsafe { self.device.create_compute_pipelines(state.pipeline_cache, &info, None) }
             .map_err(|(_, e)| vk_error("vkCreateComputePipelines")(e))?[0];
         if let Some(loader) = &self.statistics {
             eprintln!("[pipeline stats] {}: {}", kernel.label(), pipeline_statistics(loader, pipeline));
+            if let Some(dir) = &ir_dir {
+                dump_internal_representations(&self.device, loader, pipeline, &kernel.label(), dir);
+            }
         }
         state.pipelines.insert(kernel, pipeline);
         state.cache_dirty = true;
@@ -936,6 +946,41 @@ fn pipeline_statistics(loader: &ash::khr::pipeline_executable_properties::Device
         }
     }
     parts.join(", ")
+}
+
+/// Writes the driver's internal representations of a pipeline (text ones) into `dir`.
+fn dump_internal_representations(
+    device: &ash::Device,
+    loader: &ash::khr::pipeline_executable_properties::Device,
+    pipeline: vk::Pipeline,
+    label: &str,
+    dir: &std::path::Path,
+) {
+    let _ = std::fs::create_dir_all(dir);
+    let info = vk::PipelineInfoKHR::default().pipeline(pipeline);
+    // SAFETY: the pipeline was created with CAPTURE_INTERNAL_REPRESENTATIONS; each call follows the
+    // count / sizes / data protocol of vkGetPipelineExecutableInternalRepresentationsKHR.
+    let executables = unsafe { loader.get_pipeline_executable_properties(&info) }.unwrap_or_default();
+    let get = loader.fp().get_pipeline_executable_internal_representations_khr;
+    for index in 0..executables.len() as u32 {
+        let executable = vk::PipelineExecutableInfoKHR::default().pipeline(pipeline).executable_index(index);
+        let mut count = 0u32;
+        unsafe { get(device.handle(), &executable, &mut count, std::ptr::null_mut()) };
+        let mut items = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); count as usize];
+        unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
+        let mut buffers: Vec<Vec<u8>> = items.iter().map(|i| vec![0u8; i.data_size]).collect();
+        for (item, buffer) in items.iter_mut().zip(buffers.iter_mut()) {
+            item.p_data = buffer.as_mut_ptr() as *mut c_void;
+        }
+        unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
+        for (item, buffer) in items.iter().zip(&buffers) {
+            if item.is_text == vk::TRUE {
+                let name = c_chars(&item.name).replace([' ', '/'], "_");
+                let file = dir.join(format!("{}.{index}.{name}.txt", label.replace("::", ".")));
+                let _ = std::fs::write(file, buffer.split(|&b| b == 0).next().unwrap_or(&[]));
+            }
+        }
+    }
 }
 
 fn compute_barrier(device: &ash::Device, cb: vk::CommandBuffer) {
