@@ -965,14 +965,14 @@ fn dump_internal_representations(
     for index in 0..executables.len() as u32 {
         let executable = vk::PipelineExecutableInfoKHR::default().pipeline(pipeline).executable_index(index);
         let mut count = 0u32;
-        unsafe { get(device.handle(), &executable, &mut count, std::ptr::null_mut()) };
+        let _ = unsafe { get(device.handle(), &executable, &mut count, std::ptr::null_mut()) };
         let mut items = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); count as usize];
-        unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
+        let _ = unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
         let mut buffers: Vec<Vec<u8>> = items.iter().map(|i| vec![0u8; i.data_size]).collect();
         for (item, buffer) in items.iter_mut().zip(buffers.iter_mut()) {
             item.p_data = buffer.as_mut_ptr() as *mut c_void;
         }
-        unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
+        let _ = unsafe { get(device.handle(), &executable, &mut count, items.as_mut_ptr()) };
         for (item, buffer) in items.iter().zip(&buffers) {
             if item.is_text == vk::TRUE {
                 let name = c_chars(&item.name).replace([' ', '/'], "_");
