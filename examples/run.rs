@@ -60,6 +60,9 @@ enum Command {
         /// Use the small CPU-device sizes even on a GPU.
         #[arg(long)]
         small: bool,
+        /// Also time every dispatch of each op on its own (after one full run fills the buffers).
+        #[arg(long)]
+        detail: bool,
     },
     /// Runs every op's example on several backends and prints the largest difference between
     /// them and against the CPU reference, per output.
@@ -92,7 +95,7 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Command::Bench { backend, ops, repeats, small } => bench(&backend, ops.as_deref(), repeats, small),
+        Command::Bench { backend, ops, repeats, small, detail } => bench(&backend, ops.as_deref(), repeats, small, detail),
         Command::Compare { backends, size } => compare(&backends, &size),
         Command::Startup => startup(),
         Command::Demo { backend } => demo(&backend),
@@ -202,7 +205,7 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
-fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Result<()> {
+fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail: bool) -> Result<()> {
     let device = open(backend)?;
     let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
     let size = if small || gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
@@ -234,6 +237,13 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool) -> Res
             100.0 * rate / copy,
             flops
         );
+        if detail && prepared.recorded.dispatches.len() > 1 {
+            gpu.run(&prepared.recorded.dispatches)?;
+            for dispatch in &prepared.recorded.dispatches {
+                let mut times = gpu.time(std::slice::from_ref(dispatch), repeats)?;
+                println!("|   {} {:?} | {:.1} | | | | |", dispatch.kernel.label(), dispatch.groups, median(&mut times) * 1e6);
+            }
+        }
     }
     Ok(())
 }

@@ -40,9 +40,9 @@ for step in $steps; do
       MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup ;;
     bench)
       echo "== bench: Vulkan (with the driver's pipeline statistics) =="
-      MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan --repeats 30
+      MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan --repeats 30 --detail
       echo "== bench: CUDA =="
-      "$run" bench --backend cuda --repeats 30
+      "$run" bench --backend cuda --repeats 30 --detail
       "$run" startup ;;
     ir)
       echo "== machine code: Vulkan pipelines (driver internal representations) and CUDA cubins =="
