@@ -10,7 +10,7 @@ const CLAMP: Option<(f32, f32)> = Some((1e-3, 1e-1));
 
 /// Every value of the matrix appears at least once: rows {1, 7, 256, 1000}, state
 /// {16, 64, 128, 300}, bc_rows {1, 2, 8}, heads {1, 4, 32}, rope_angles {4, 16, 32}, inner {64, 200},
-/// weights on and off, dt clamp (0, inf) and (1e-3, 1e-1). The first rows of every case are
+/// weights on and off, dt clamp (0, inf) and (1e-3, 1e-1); plus the realistic row width. The first rows of every case are
 /// forced onto every branch of heavy_tail, its floor, softplus and its threshold.
 fn cases() -> Vec<PreprocessShape> {
     let shape = |rows, inner, state, heads, bc_rows, rope_angles, norm_weights, dt_clamp| PreprocessShape {
@@ -30,6 +30,8 @@ fn cases() -> Vec<PreprocessShape> {
         shape(1000, 200, 300, 4, 2, 16, true, None),
         shape(7, 64, 128, 32, 1, 32, false, None),
         shape(256, 200, 16, 1, 8, 4, true, CLAMP),
+        // The realistic row (inner 1536): the batched float4 copy of dz and dx.
+        shape(9, 1536, 128, 24, 1, 32, true, None),
     ]
 }
 
