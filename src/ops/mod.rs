@@ -15,6 +15,7 @@ pub mod mamba3_preprocess;
 pub mod math;
 pub mod reduce;
 pub mod rmsnorm;
+pub mod selective_scan;
 
 pub use check::{ScalarCheck, ShapeCheck};
 
@@ -227,6 +228,8 @@ pub static OPS: &[&dyn Op] = &[
     &Registered::<rmsnorm::RmsNormBwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessFwd>(PhantomData),
     &Registered::<mamba3_preprocess::PreprocessBwd>(PhantomData),
+    &Registered::<selective_scan::ScanFwd>(PhantomData),
+    &Registered::<selective_scan::ScanBwd>(PhantomData),
 ];
 
 /// The op called `name`.
