@@ -86,6 +86,7 @@ push_constants! {
         dlast_state: u32,
         chunk_state: u32,
         chunk_adjoint: u32,
+        snapshots: u32,
         du: u32,
         ddelta: u32,
         dz: u32,
@@ -120,11 +121,19 @@ push_constants! {
 }
 const _: () = assert!(std::mem::size_of::<ScanReducePush>() == kernels::selective_scan_reduce::PUSH_CONSTANT_BYTES);
 
-/// Time steps one lane walks (CHUNK_LEN is a push constant; this is the host's choice, a constant
-/// so that the summation order is a function of the shape alone).
-pub const CHUNK_LEN: usize = 128;
-/// Channels per workgroup (SCAN_CHANNELS in the shaders).
-const CHANNELS_PER_WORKGROUP: usize = 64;
+/// Time steps one lane walks in the forward (`chunk_len` is a push constant; the host's choice is a
+/// constant, so that every summation order is a function of the shape alone).
+pub const FWD_CHUNK_LEN: usize = 128;
+/// Time steps one lane walks in the backward: at most 128 (8 sub-chunks of 16 steps whose boundary
+/// states fit in shared memory; `selective_scan_bwd.slang`).
+pub const BWD_CHUNK_LEN: usize = 128;
+/// Steps between the state snapshots of the backward walk (SUB_STEPS in the shader).
+const BWD_SUB_STEPS: usize = 16;
+/// Channels per workgroup of the forward walks (SCAN_CHANNELS in the shaders).
+const FWD_LANES: usize = 64;
+/// Channels per workgroup of the backward walk (SCAN_BWD_CHANNELS): db and dc are summed over them
+/// in shared memory, then over the channel blocks of a group.
+const BWD_LANES: usize = 32;
 /// Lanes per workgroup of the per-(b, d, n) combine and the channel-sum passes.
 const LINEAR_WORKGROUP: usize = 256;
 
@@ -149,15 +158,15 @@ impl ScanProblem {
     fn channels_per_group(&self) -> usize {
         self.dim / self.groups
     }
-    fn chunks(&self) -> usize {
-        self.length.div_ceil(CHUNK_LEN)
+    fn chunks(&self, chunk_len: usize) -> usize {
+        self.length.div_ceil(chunk_len)
     }
-    /// Workgroups of 64 channels per group (a workgroup never spans two groups).
-    fn channel_blocks(&self) -> usize {
-        self.channels_per_group().div_ceil(CHANNELS_PER_WORKGROUP)
+    /// Workgroups of `lanes` channels per group (a workgroup never spans two groups).
+    fn channel_blocks(&self, lanes: usize) -> usize {
+        self.channels_per_group().div_ceil(lanes)
     }
-    fn walk_workgroups(&self, chunks: usize) -> u64 {
-        (self.batch * self.groups * self.channel_blocks() * chunks) as u64
+    fn walk_workgroups(&self, chunks: usize, lanes: usize) -> u64 {
+        (self.batch * self.groups * self.channel_blocks(lanes) * chunks) as u64
     }
     fn rows(&self) -> usize {
         self.batch * self.dim
@@ -321,10 +330,10 @@ impl OpDef for ScanFwd {
     fn record(p: &ScanProblem, gpu: &dyn Gpu, inputs: &GpuTensors) -> Result<Recorded> {
         check_device_limits(Self::NAME, p)?;
         let mut recorded = Recorded::default();
-        let mut push = fwd_push(p, inputs, Self::NAME)?;
+        let mut push = fwd_push(p, inputs, Self::NAME, FWD_CHUNK_LEN)?;
         push.out = recorded.output(gpu, Self::NAME, "out", vec![p.batch, p.dim, p.length])?;
         push.last_state = recorded.output(gpu, Self::NAME, "last_state", vec![p.batch, p.dim, p.state])?;
-        let chunks = p.chunks();
+        let chunks = p.chunks(FWD_CHUNK_LEN);
         if chunks > 1 {
             push.chunk_state = recorded.scratch(gpu, Self::NAME, "chunk states", p.rows() * chunks * p.state)?;
             push.chunk_dsum = recorded.scratch(gpu, Self::NAME, "chunk delta sums", p.rows() * chunks)?;
@@ -332,7 +341,7 @@ impl OpDef for ScanFwd {
         }
         push.grid_chunks = chunks as u32;
         let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_FWD_OUTPUT;
-        recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks), &push)?);
+        recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks, FWD_LANES), &push)?);
         Ok(recorded)
     }
 
@@ -454,7 +463,7 @@ impl OpDef for ScanBwd {
         check_device_limits(Self::NAME, p)?;
         let op = Self::NAME;
         let mut recorded = Recorded::default();
-        let chunks = p.chunks();
+        let chunks = p.chunks(BWD_CHUNK_LEN);
         let rows_shape = vec![p.batch, p.dim, p.length];
         let bc_shape = vec![p.batch, p.groups, p.state, p.length];
         let mut push = ScanBwdPush {
@@ -471,6 +480,7 @@ impl OpDef for ScanBwd {
             dlast_state: optional_slot(inputs, "dlast_state"),
             chunk_state: NO_BUFFER,
             chunk_adjoint: NO_BUFFER,
+            snapshots: NO_BUFFER,
             du: NO_BUFFER,
             ddelta: NO_BUFFER,
             dz: NO_BUFFER,
@@ -485,7 +495,7 @@ impl OpDef for ScanBwd {
             state: p.state as u32,
             groups: p.groups as u32,
             length: p.length as u32,
-            chunk_len: CHUNK_LEN as u32,
+            chunk_len: BWD_CHUNK_LEN as u32,
             chunks: chunks as u32,
             delta_softplus: u32::from(p.delta_softplus),
         };
@@ -505,7 +515,7 @@ impl OpDef for ScanBwd {
         }
 
         if chunks > 1 {
-            let mut chunk_push = fwd_push(p, inputs, op)?;
+            let mut chunk_push = fwd_push(p, inputs, op, BWD_CHUNK_LEN)?;
             chunk_push.dout = push.dout;
             chunk_push.dlast_state = push.dlast_state;
             chunk_push.chunk_state = recorded.scratch(gpu, op, "chunk states", p.rows() * chunks * p.state)?;
@@ -516,6 +526,11 @@ impl OpDef for ScanBwd {
             push.chunk_adjoint = chunk_push.chunk_adjoint;
         }
 
+        let sub_boundaries = BWD_CHUNK_LEN / BWD_SUB_STEPS - 1;
+        if p.length > BWD_SUB_STEPS {
+            let elements = p.batch * chunks * sub_boundaries * p.state * p.dim;
+            push.snapshots = recorded.scratch(gpu, op, "sub-chunk state snapshots", elements)?;
+        }
         let partial_rows = p.batch * chunks;
         push.da_partial = recorded.scratch(gpu, op, "da partials", partial_rows * p.dim * p.state)?;
         if p.has_d {
@@ -524,7 +539,7 @@ impl OpDef for ScanBwd {
         if p.has_delta_bias {
             push.ddelta_bias_partial = recorded.scratch(gpu, op, "ddelta_bias partials", partial_rows * p.dim)?;
         }
-        let blocks = p.channel_blocks();
+        let blocks = p.channel_blocks(BWD_LANES);
         if blocks == 1 {
             push.db = db;
             push.dc = dc;
@@ -533,7 +548,7 @@ impl OpDef for ScanBwd {
             push.dc = recorded.scratch(gpu, op, "dc channel-block partials", blocks * p.bc_len())?;
         }
         let kernel = kernels::selective_scan_bwd::SELECTIVE_SCAN_BWD_CHUNK;
-        recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks), &push)?);
+        recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks, BWD_LANES), &push)?);
 
         if blocks > 1 {
             let reduce = ScanReducePush {
@@ -583,7 +598,7 @@ impl OpDef for ScanBwd {
 /// Sizes the kernels index with 32-bit arithmetic (every buffer is within the device's limit, which
 /// is below 4 GiB; these are the few products that are not a buffer's size).
 fn check_device_limits(op: &str, p: &ScanProblem) -> Result<()> {
-    let workgroups = p.walk_workgroups(p.chunks());
+    let workgroups = p.walk_workgroups(p.chunks(BWD_CHUNK_LEN.min(FWD_CHUNK_LEN)), BWD_LANES.min(FWD_LANES));
     if workgroups > u64::from(crate::gpu::GRID_X) * 65535 {
         return Err(Error::unsupported(op, format!("{workgroups} workgroups exceed the grid limit")));
     }
@@ -594,7 +609,7 @@ fn check_device_limits(op: &str, p: &ScanProblem) -> Result<()> {
     Ok(())
 }
 
-fn fwd_push(p: &ScanProblem, inputs: &GpuTensors, op: &str) -> Result<ScanFwdPush> {
+fn fwd_push(p: &ScanProblem, inputs: &GpuTensors, op: &str, chunk_len: usize) -> Result<ScanFwdPush> {
     Ok(ScanFwdPush {
         u: slot(inputs, op, "u")?,
         delta: slot(inputs, op, "delta")?,
@@ -617,8 +632,8 @@ fn fwd_push(p: &ScanProblem, inputs: &GpuTensors, op: &str) -> Result<ScanFwdPus
         state: p.state as u32,
         groups: p.groups as u32,
         length: p.length as u32,
-        chunk_len: CHUNK_LEN as u32,
-        chunks: p.chunks() as u32,
+        chunk_len: chunk_len as u32,
+        chunks: p.chunks(chunk_len) as u32,
         grid_chunks: 0,
         delta_softplus: u32::from(p.delta_softplus),
     })
@@ -633,7 +648,7 @@ fn record_chunk_passes(
 ) -> Result<()> {
     push.grid_chunks = grid_chunks as u32;
     let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_STATE;
-    recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(grid_chunks), &push)?);
+    recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(grid_chunks, FWD_LANES), &push)?);
     let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_COMBINE;
     let workgroups = (p.rows() * p.state).div_ceil(LINEAR_WORKGROUP) as u64;
     recorded.dispatches.push(Dispatch::linear(kernel, workgroups, &push)?);
