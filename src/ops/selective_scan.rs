@@ -4,27 +4,29 @@
 //! h_t = exp(Δ_t·a[d,n])·h_{t−1} + Δ_t·b_t[g,n]·u_t (h₋₁ = h0 or 0), y_t = Σ_n c_t[g,n]·h_t + d[d]·u_t,
 //! out_t = y_t·silu(z_t).
 //!
-//! GPU design (all kernels in `shaders/kernels/selective_scan_*.slang`). Time is cut into chunks of
-//! `CHUNK_LEN` steps; one lane owns one (b, d, chunk) and keeps up to 16 states in registers (larger N
-//! runs in tiles of 16 states, each a walk of its own). A workgroup is 64 channels of one group at
-//! one (b, chunk), so the b/c loads are uniform across it.
-//! - forward: (1) `selective_scan_chunk_state` walks each chunk but the last from a zero state: its
+//! GPU design (kernels in `shaders/kernels/selective_scan_{fwd,bwd,reduce}.slang`). Time is cut into
+//! chunks of 128 steps; one lane owns one (b, d, chunk) and walks it sequentially with up to 16
+//! states in registers (larger N runs in tiles of 16 states, each a walk of its own, the per-step
+//! sums over n carried between tiles through the output buffers). A workgroup is a block of
+//! channels of one group at one (b, chunk): it stages the chunk's b and c in shared memory once and
+//! every lane reads them as broadcast float4s.
+//! - forward: (1) `selective_scan_chunk_state` walks every chunk but the last from a zero state: its
 //!   local end state and Σ Δ; (2) `selective_scan_chunk_combine`, one lane per (b, d, n), chains the
-//!   chunks in order (the chunk's decay is exp(a·ΣΔ)) into each chunk's incoming state; (3)
+//!   chunks in order (a chunk's decay is exp(a·ΣΔ)) into each chunk's incoming state; (3)
 //!   `selective_scan_fwd_output` re-walks every chunk from its incoming state and writes `out`, the
 //!   last chunk also `last_state`. Passes 1–2 are skipped when the sequence is one chunk.
-//! - backward: (1) the same chunk walk, adding each chunk's local adjoint μ = Σ_s (Π_{r≤s} ā_r)·g_s·c_s
-//!   (the gradient it sends to the state before it, from its own outputs alone); (2) the same
-//!   combine, adding the reverse chain of adjoints λ (dlast_state seeds it); (3)
-//!   `selective_scan_bwd_chunk` walks each chunk forward (recomputing h from the stored incoming
-//!   state: dz, dc, and da through the forward-accumulated R_t = ā_t R_{t−1} + Δ_t ā_t h_{t−1}, whose
-//!   pairing with the adjoint is Σ_s g_s c_s R_s + λ·R_end), then backward (dh, du, ddelta, db). The
-//!   one term of ddelta that pairs h_{t−1} with dh_t, q_t = Σ_n a_n ā_t h_{t−1} dh_t, is carried
-//!   backwards as a scalar through q_t = q_{t+1} + F_t − G_t, F_t = g_t Σ_n a_n c_t h_t (saved by the
-//!   forward walk, in the ddelta buffer), G_t = Δ_t u_t Σ_n a_n b_t dh_t: so no per-step state is ever
-//!   stored. (4) Parameter gradients: per-lane partials of da, dd, ddelta_bias summed by
-//!   `column_sums`; db/dc are summed over the 64 channels of a workgroup through a fixed
-//!   shared-memory order, then over the channel blocks of a group by `selective_scan_channel_sum`.
+//! - backward: (1) the same chunk walk over every chunk, adding the chunk's local adjoint
+//!   μ = Σ_s (Π_{t0≤r≤s} ā_r)·g_s·c_s (the gradient its own outputs send to the state before it);
+//!   (2) the same combine, adding the reverse chain of adjoints λ_{k−1} = μ_k + exp(a·ΣΔ_k)·λ_k
+//!   seeded by dlast_state; (3) `selective_scan_bwd_chunk` (32 channels per workgroup): phase A
+//!   walks the chunk forward from its incoming state and leaves the state at every 16-step boundary
+//!   in a scratch buffer; phase B takes the 16-step sub-chunks last to first, recomputes the states
+//!   entering their 4-step groups (shared memory), and takes the groups last to first: each group's
+//!   4 states are recomputed from its entry state and walked backwards with dh, so every gradient
+//!   term is the sequential definition's own product (no per-step state is stored, nothing cancels);
+//!   (4) parameter gradients: per-lane partials of da, dd, ddelta_bias summed by `column_sums`; db
+//!   and dc are summed over the workgroup's 32 channels in a fixed shared-memory order once per 4
+//!   steps, then over the channel blocks of a group by `selective_scan_channel_sum`.
 //!   No atomics; every order depends on the shapes alone.
 
 use crate::error::{Error, Result};
