@@ -18,12 +18,13 @@
 //! - backward: (1) the same chunk walk over every chunk, adding the chunk's local adjoint
 //!   μ = Σ_s (Π_{t0≤r≤s} ā_r)·g_s·c_s (the gradient its own outputs send to the state before it);
 //!   (2) the same combine, adding the reverse chain of adjoints λ_{k−1} = μ_k + exp(a·ΣΔ_k)·λ_k
-//!   seeded by dlast_state; (3) `selective_scan_bwd_chunk` (32 channels per workgroup): phase A
-//!   walks the chunk forward from its incoming state and leaves the state at every 16-step boundary
-//!   in a scratch buffer; phase B takes the 16-step sub-chunks last to first, recomputes the states
-//!   entering their 4-step groups (shared memory), and takes the groups last to first: each group's
-//!   4 states are recomputed from its entry state and walked backwards with dh, so every gradient
-//!   term is the sequential definition's own product (no per-step state is stored, nothing cancels);
+//!   seeded by dlast_state; pass (1) also leaves the local state (walked from zero) and Σ Δ at every
+//!   16-step boundary inside each chunk, so that the state there is local + exp(a·ΣΔ)·h_in;
+//!   (3) `selective_scan_bwd_chunk` (32 channels per workgroup) takes the 16-step sub-chunks last
+//!   to first, recomputes the states entering their 4-step groups (shared memory), and takes the
+//!   groups last to first: each group's 4 states are recomputed from its entry state and walked
+//!   backwards with dh, so every gradient term is the sequential definition's own product (no
+//!   per-step state is stored, nothing cancels);
 //!   (4) parameter gradients: per-lane partials of da, dd, ddelta_bias summed by `column_sums`; db
 //!   and dc are summed over the workgroup's 32 channels in a fixed shared-memory order once per 4
 //!   steps, then over the channel blocks of a group by `selective_scan_channel_sum`.
@@ -59,6 +60,7 @@ push_constants! {
         dout: u32,
         chunk_adjoint: u32,
         dlast_state: u32,
+        snapshots: u32,
         batch: u32,
         dim: u32,
         state: u32,
@@ -339,7 +341,7 @@ impl OpDef for ScanFwd {
         if chunks > 1 {
             push.chunk_state = recorded.scratch(gpu, Self::NAME, "chunk states", p.rows() * chunks * p.state)?;
             push.chunk_dsum = recorded.scratch(gpu, Self::NAME, "chunk delta sums", p.rows() * chunks)?;
-            record_chunk_passes(&mut recorded, p, push, chunks - 1)?;
+            record_chunk_passes(&mut recorded, p, push)?;
         }
         push.grid_chunks = chunks as u32;
         let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_FWD_OUTPUT;
@@ -516,22 +518,32 @@ impl OpDef for ScanBwd {
             push.dh0 = recorded.output(gpu, op, "dh0", vec![p.batch, p.dim, p.state])?;
         }
 
-        if chunks > 1 {
+        // The chunk pass (over every chunk) gives the chunk states and adjoints the combine chains,
+        // and the local states at the 16-step boundaries inside each chunk; with one chunk of at
+        // most 16 steps there is nothing to give.
+        if chunks > 1 || p.length > BWD_SUB_STEPS {
             let mut chunk_push = fwd_push(p, inputs, op, BWD_CHUNK_LEN)?;
             chunk_push.dout = push.dout;
             chunk_push.dlast_state = push.dlast_state;
-            chunk_push.chunk_state = recorded.scratch(gpu, op, "chunk states", p.rows() * chunks * p.state)?;
             chunk_push.chunk_dsum = recorded.scratch(gpu, op, "chunk delta sums", p.rows() * chunks)?;
-            chunk_push.chunk_adjoint = recorded.scratch(gpu, op, "chunk adjoints", p.rows() * chunks * p.state)?;
-            record_chunk_passes(&mut recorded, p, chunk_push, chunks)?;
+            if chunks > 1 {
+                chunk_push.chunk_state = recorded.scratch(gpu, op, "chunk states", p.rows() * chunks * p.state)?;
+                chunk_push.chunk_adjoint = recorded.scratch(gpu, op, "chunk adjoints", p.rows() * chunks * p.state)?;
+            }
+            if p.length > BWD_SUB_STEPS {
+                let boundaries = BWD_CHUNK_LEN / BWD_SUB_STEPS - 1;
+                let elements = p.batch * chunks * boundaries * (p.state + 1) * p.dim;
+                chunk_push.snapshots = recorded.scratch(gpu, op, "sub-chunk snapshots", elements)?;
+            }
+            chunk_push.grid_chunks = chunks as u32;
+            let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_STATE;
+            recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks, FWD_LANES), &chunk_push)?);
+            if chunks > 1 {
+                record_combine(&mut recorded, p, &chunk_push)?;
+            }
             push.chunk_state = chunk_push.chunk_state;
             push.chunk_adjoint = chunk_push.chunk_adjoint;
-        }
-
-        let sub_boundaries = BWD_CHUNK_LEN / BWD_SUB_STEPS - 1;
-        if p.length > BWD_SUB_STEPS {
-            let elements = p.batch * chunks * sub_boundaries * p.state * p.dim;
-            push.snapshots = recorded.scratch(gpu, op, "sub-chunk state snapshots", elements)?;
+            push.snapshots = chunk_push.snapshots;
         }
         let partial_rows = p.batch * chunks;
         push.da_partial = recorded.scratch(gpu, op, "da partials", partial_rows * p.dim * p.state)?;
@@ -629,6 +641,7 @@ fn fwd_push(p: &ScanProblem, inputs: &GpuTensors, op: &str, chunk_len: usize) ->
         dout: NO_BUFFER,
         chunk_adjoint: NO_BUFFER,
         dlast_state: NO_BUFFER,
+        snapshots: NO_BUFFER,
         batch: p.batch as u32,
         dim: p.dim as u32,
         state: p.state as u32,
@@ -641,19 +654,20 @@ fn fwd_push(p: &ScanProblem, inputs: &GpuTensors, op: &str, chunk_len: usize) ->
     })
 }
 
-/// Passes 1 and 2: the chunk walk over the first `grid_chunks` chunks, then the combine.
-fn record_chunk_passes(
-    recorded: &mut Recorded,
-    p: &ScanProblem,
-    mut push: ScanFwdPush,
-    grid_chunks: usize,
-) -> Result<()> {
+/// Passes 1 and 2 of the forward: the chunk walk over every chunk but the last, then the combine.
+fn record_chunk_passes(recorded: &mut Recorded, p: &ScanProblem, mut push: ScanFwdPush) -> Result<()> {
+    let grid_chunks = p.chunks(FWD_CHUNK_LEN) - 1;
     push.grid_chunks = grid_chunks as u32;
     let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_STATE;
     recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(grid_chunks, FWD_LANES), &push)?);
+    record_combine(recorded, p, &push)
+}
+
+/// The per-(b, d, n) chain of chunk states (and adjoints, when given).
+fn record_combine(recorded: &mut Recorded, p: &ScanProblem, push: &ScanFwdPush) -> Result<()> {
     let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_COMBINE;
     let workgroups = (p.rows() * p.state).div_ceil(LINEAR_WORKGROUP) as u64;
-    recorded.dispatches.push(Dispatch::linear(kernel, workgroups, &push)?);
+    recorded.dispatches.push(Dispatch::linear(kernel, workgroups, push)?);
     Ok(())
 }
 
