@@ -31,8 +31,8 @@ const NONE: [bool; 6] = [false; 6];
 /// Every value of the matrix appears: B {1, 2}; D {1, 4, 8, 64}; N {1, 8, 16}; G {1, 2};
 /// L {1, 2, 3, 31, 32, 33, 127, 128, 129, 2047, 2048, 2049, 4100} (chunks are 128 steps, float4
 /// loads need L % 4 == 0); each optional input and softplus on and off. Beyond it: N = 40 (three
-/// register tiles of states, the last partial) and groups wider than one 64-channel workgroup
-/// (db/dc summed over channel blocks), with a partial last block.
+/// register tiles of states, the last partial), groups wider than one workgroup (db/dc summed over
+/// channel blocks), with a partial last block, and one realistic shape.
 const CASES: &[Case] = &[
     ((1, 1, 1, 1, 1), NONE),
     ((2, 4, 8, 2, 2), ALL),
@@ -49,6 +49,7 @@ const CASES: &[Case] = &[
     ((1, 1, 16, 1, 4100), ALL),
     ((1, 130, 40, 1, 300), ALL),
     ((2, 256, 16, 2, 129), [true, true, true, false, false, true]),
+    ((2, 64, 16, 1, 2048), ALL),
 ];
 
 fn forward_and_backward_match_reference(device: &Device) {
