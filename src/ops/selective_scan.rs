@@ -8,8 +8,10 @@
 //! chunks of 128 steps; one lane owns one (b, d, chunk) and walks it sequentially with up to 16
 //! states in registers (larger N runs in tiles of 16 states, each a walk of its own, the per-step
 //! sums over n carried between tiles through the output buffers). A workgroup is a block of
-//! channels of one group at one (b, chunk): it stages the chunk's b and c in shared memory once and
-//! every lane reads them as broadcast float4s.
+//! channels of one group at one (b, chunk) whose lanes walk in step: every 16 steps it stages the
+//! next tile of its rows (u, delta, z, dout, ...) and of b, c in shared memory with coalesced loads
+//! (b, c are then read as broadcast float4s), and its outputs leave the same way, so global memory
+//! is never accessed along the strided channel axis.
 //! - forward: (1) `selective_scan_chunk_state` walks every chunk but the last from a zero state: its
 //!   local end state and Σ Δ; (2) `selective_scan_chunk_combine`, one lane per (b, d, n), chains the
 //!   chunks in order (a chunk's decay is exp(a·ΣΔ)) into each chunk's incoming state; (3)
