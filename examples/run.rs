@@ -95,7 +95,9 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Command::Bench { backend, ops, repeats, small, detail } => bench(&backend, ops.as_deref(), repeats, small, detail),
+        Command::Bench { backend, ops, repeats, small, detail } => {
+            bench(&backend, ops.as_deref(), repeats, small, detail)
+        }
         Command::Compare { backends, size } => compare(&backends, &size),
         Command::Startup => startup(),
         Command::Demo { backend } => demo(&backend),
@@ -241,7 +243,12 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
             gpu.run(&prepared.recorded.dispatches)?;
             for dispatch in &prepared.recorded.dispatches {
                 let mut times = gpu.time(std::slice::from_ref(dispatch), repeats)?;
-                println!("|   {} {:?} | {:.1} | | | | |", dispatch.kernel.label(), dispatch.groups, median(&mut times) * 1e6);
+                println!(
+                    "|   {} {:?} | {:.1} | | | | |",
+                    dispatch.kernel.label(),
+                    dispatch.groups,
+                    median(&mut times) * 1e6
+                );
             }
         }
     }

@@ -17,6 +17,7 @@ pub mod mamba3_siso;
 pub mod math;
 pub mod reduce;
 pub mod rmsnorm;
+pub mod selective_scan;
 
 pub use check::{ScalarCheck, ShapeCheck};
 
@@ -245,6 +246,8 @@ pub static OPS: &[&dyn Op] = &[
     &Registered::<causal_conv1d::CausalConv1dBwd>(PhantomData),
     &Registered::<mamba3_siso::SisoFwd>(PhantomData),
     &Registered::<mamba3_siso::SisoBwd>(PhantomData),
+    &Registered::<selective_scan::ScanFwd>(PhantomData),
+    &Registered::<selective_scan::ScanBwd>(PhantomData),
 ];
 
 /// The op called `name`.
