@@ -609,6 +609,12 @@ impl OpDef for ScanBwd {
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&ScanShape::for_size(size), true, seed)
     }
+
+    /// The small example, and one whose groups span several channel blocks (the db/dc block sum).
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        let blocks = ScanShape { dim: 2 * BWD_LANES + 3, ..ScanShape::for_size(ExampleSize::Small) };
+        vec![Self::example(ExampleSize::Small, seed), example_inputs(&blocks, true, seed)]
+    }
 }
 
 /// Sizes the kernels index with 32-bit arithmetic (every buffer is within the device's limit, which
