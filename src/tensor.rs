@@ -127,3 +127,12 @@ impl FromIterator<(String, String)> for Scalars {
         Scalars(iter.into_iter().collect())
     }
 }
+
+impl<T: Copy + Default> Tensor<T> {
+    /// A tensor whose shape and data the caller built to agree (the references' outputs): a
+    /// disagreement is a bug in this crate, not bad input, so it panics with both sizes.
+    pub(crate) fn from_parts(shape: Vec<usize>, data: Vec<T>) -> Self {
+        assert_eq!(element_count(&shape), data.len(), "internal: tensor shape {shape:?} does not match its data");
+        Tensor { shape, data }
+    }
+}

@@ -142,9 +142,9 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<ConvProble
             ),
         ));
     }
-    let has_bias = shapes.expect_optional("bias", &[("D", dim)])?;
+    let has_bias = shapes.exact_optional("bias", &[("D", dim)])?;
     let has_initial_states =
-        shapes.expect_optional("initial_states", &[("B", batch), ("D", dim), ("W-1", width - 1)])?;
+        shapes.exact_optional("initial_states", &[("B", batch), ("D", dim), ("W-1", width - 1)])?;
     let silu = scalars.flag_or("silu", false)?;
     Ok(ConvProblem { batch, dim, length, width, has_bias, has_initial_states, has_dfinal_states: false, silu })
 }
@@ -230,11 +230,8 @@ impl OpDef for CausalConv1dFwd {
             }
         }
         let mut result = TensorMap::new();
-        result.insert("out".into(), Tensor::new(vec![p.batch, p.dim, p.length], out).expect("B*D*L values"));
-        result.insert(
-            "final_states".into(),
-            Tensor::new(vec![p.batch, p.dim, halo], final_states).expect("B*D*(W-1) values"),
-        );
+        result.insert("out".into(), Tensor::from_parts(vec![p.batch, p.dim, p.length], out));
+        result.insert("final_states".into(), Tensor::from_parts(vec![p.batch, p.dim, halo], final_states));
         result
     }
 
@@ -281,9 +278,9 @@ impl OpDef for CausalConv1dBwd {
 
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<ConvProblem> {
         let mut p = check_common(shapes, scalars)?;
-        shapes.expect("dout", &[("B", p.batch), ("D", p.dim), ("L", p.length)])?;
+        shapes.exact("dout", &[("B", p.batch), ("D", p.dim), ("L", p.length)])?;
         p.has_dfinal_states =
-            shapes.expect_optional("dfinal_states", &[("B", p.batch), ("D", p.dim), ("W-1", p.halo())])?;
+            shapes.exact_optional("dfinal_states", &[("B", p.batch), ("D", p.dim), ("W-1", p.halo())])?;
         Ok(p)
     }
 
@@ -324,16 +321,13 @@ impl OpDef for CausalConv1dBwd {
             dinitial[row * halo..(row + 1) * halo].copy_from_slice(&dext[..halo]);
         }
         let mut result = TensorMap::new();
-        result.insert("dx".into(), Tensor::new(vec![p.batch, p.dim, length], dx).expect("B*D*L values"));
-        result.insert("dweight".into(), Tensor::new(vec![p.dim, width], dweight).expect("D*W values"));
+        result.insert("dx".into(), Tensor::from_parts(vec![p.batch, p.dim, length], dx));
+        result.insert("dweight".into(), Tensor::from_parts(vec![p.dim, width], dweight));
         if p.has_bias {
-            result.insert("dbias".into(), Tensor::new(vec![p.dim], dbias).expect("D values"));
+            result.insert("dbias".into(), Tensor::from_parts(vec![p.dim], dbias));
         }
         if p.has_initial_states {
-            result.insert(
-                "dinitial_states".into(),
-                Tensor::new(vec![p.batch, p.dim, halo], dinitial).expect("B*D*(W-1) values"),
-            );
+            result.insert("dinitial_states".into(), Tensor::from_parts(vec![p.batch, p.dim, halo], dinitial));
         }
         result
     }

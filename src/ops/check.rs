@@ -70,14 +70,14 @@ impl<'a> ShapeCheck<'a> {
     }
 
     /// A required tensor of exactly the given shape; `dims` pairs each size with its name.
-    pub fn expect(&self, name: &str, dims: &[(&str, usize)]) -> Result<()> {
+    pub fn exact(&self, name: &str, dims: &[(&str, usize)]) -> Result<()> {
         let labels: Vec<&str> = dims.iter().map(|d| d.0).collect();
         let shape = self.required(name, &labels)?;
         self.compare(name, dims, &shape)
     }
 
     /// An optional tensor of exactly the given shape; true when given.
-    pub fn expect_optional(&self, name: &str, dims: &[(&str, usize)]) -> Result<bool> {
+    pub fn exact_optional(&self, name: &str, dims: &[(&str, usize)]) -> Result<bool> {
         let labels: Vec<&str> = dims.iter().map(|d| d.0).collect();
         match self.optional(name, &labels)? {
             None => Ok(false),

@@ -136,9 +136,9 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<Preprocess
             ),
         ));
     }
-    shapes.expect("dt_bias", &[("heads", heads)])?;
-    let has_b_weight = shapes.expect_optional("b_norm_weight", &[("state", state)])?;
-    let has_c_weight = shapes.expect_optional("c_norm_weight", &[("state", state)])?;
+    shapes.exact("dt_bias", &[("heads", heads)])?;
+    let has_b_weight = shapes.exact_optional("b_norm_weight", &[("state", state)])?;
+    let has_c_weight = shapes.exact_optional("c_norm_weight", &[("state", state)])?;
     Ok(PreprocessProblem {
         rows,
         inner,
@@ -241,10 +241,10 @@ impl OpDef for PreprocessFwd {
         let [bh, ch] = normed;
         let shape3 = vec![p.rows, p.bc_rows, p.state];
         let mut out = TensorMap::new();
-        out.insert("bh".into(), Tensor::new(shape3.clone(), bh).expect("bh size"));
-        out.insert("ch".into(), Tensor::new(shape3, ch).expect("ch size"));
-        out.insert("dt".into(), Tensor::new(vec![p.rows, p.heads], dt).expect("dt size"));
-        out.insert("adt".into(), Tensor::new(vec![p.rows, p.heads], adt).expect("adt size"));
+        out.insert("bh".into(), Tensor::from_parts(shape3.clone(), bh));
+        out.insert("ch".into(), Tensor::from_parts(shape3, ch));
+        out.insert("dt".into(), Tensor::from_parts(vec![p.rows, p.heads], dt));
+        out.insert("adt".into(), Tensor::from_parts(vec![p.rows, p.heads], adt));
         out
     }
 
@@ -279,14 +279,14 @@ impl OpDef for PreprocessBwd {
 
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<PreprocessProblem> {
         let p = check_common(shapes, scalars)?;
-        shapes.expect("dz", &[("rows", p.rows), ("inner", p.inner)])?;
-        shapes.expect("dx", &[("rows", p.rows), ("inner", p.inner)])?;
-        shapes.expect("dbh", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
-        shapes.expect("dch", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
+        shapes.exact("dz", &[("rows", p.rows), ("inner", p.inner)])?;
+        shapes.exact("dx", &[("rows", p.rows), ("inner", p.inner)])?;
+        shapes.exact("dbh", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
+        shapes.exact("dch", &[("rows", p.rows), ("bc_rows", p.bc_rows), ("state", p.state)])?;
         for name in ["ddt", "dadt", "dtrap"] {
-            shapes.expect(name, &[("rows", p.rows), ("heads", p.heads)])?;
+            shapes.exact(name, &[("rows", p.rows), ("heads", p.heads)])?;
         }
-        shapes.expect("dangles", &[("rows", p.rows), ("rope_angles", p.rope_angles)])?;
+        shapes.exact("dangles", &[("rows", p.rows), ("rope_angles", p.rope_angles)])?;
         Ok(p)
     }
 
@@ -342,13 +342,13 @@ impl OpDef for PreprocessBwd {
         }
         let [db_norm_weight, dc_norm_weight] = dweights;
         let mut result = TensorMap::new();
-        result.insert("dprojected".into(), Tensor::new(vec![p.rows, width], dprojected).expect("dprojected size"));
-        result.insert("ddt_bias".into(), Tensor::new(vec![p.heads], ddt_bias).expect("heads"));
+        result.insert("dprojected".into(), Tensor::from_parts(vec![p.rows, width], dprojected));
+        result.insert("ddt_bias".into(), Tensor::from_parts(vec![p.heads], ddt_bias));
         if p.has_b_weight {
-            result.insert("db_norm_weight".into(), Tensor::new(vec![p.state], db_norm_weight).expect("state"));
+            result.insert("db_norm_weight".into(), Tensor::from_parts(vec![p.state], db_norm_weight));
         }
         if p.has_c_weight {
-            result.insert("dc_norm_weight".into(), Tensor::new(vec![p.state], dc_norm_weight).expect("state"));
+            result.insert("dc_norm_weight".into(), Tensor::from_parts(vec![p.state], dc_norm_weight));
         }
         result
     }
@@ -515,7 +515,7 @@ pub fn force_branches(shape: &PreprocessShape, inputs: &mut TensorMap) {
     let dd_dt_offset = 2 * shape.inner + 2 * shape.bc_rows * shape.state;
     let dd_a_offset = dd_dt_offset + shape.heads;
     let dt_bias: Vec<f32> = inputs["dt_bias"].data().to_vec();
-    let projected = inputs.get_mut("projected").expect("projected input").data_mut();
+    let Some(projected) = inputs.get_mut("projected").map(Tensor::data_mut) else { return };
     for row in 0..shape.rows.min(DD_A.len().max(RAW_DT.len())) {
         for h in 0..shape.heads {
             let k = row + h;

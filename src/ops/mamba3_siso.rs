@@ -86,7 +86,7 @@ impl SisoProblem {
 fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
     let q = shapes.required("q", &["B", "L", "G", "N"])?;
     let (batch, length, groups, state) = (q[0], q[1], q[2], q[3]);
-    shapes.expect("k", &[("B", batch), ("L", length), ("G", groups), ("N", state)])?;
+    shapes.exact("k", &[("B", batch), ("L", length), ("G", groups), ("N", state)])?;
     let v = shapes.required("v", &["B", "L", "H", "P"])?;
     if v[0] != batch || v[1] != length {
         return Err(
@@ -110,10 +110,10 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProble
         ));
     }
     for name in ["adt", "dt", "trap"] {
-        shapes.expect(name, &[("B", batch), ("H", heads), ("L", length)])?;
+        shapes.exact(name, &[("B", batch), ("H", heads), ("L", length)])?;
     }
-    shapes.expect("q_bias", &[("H", heads), ("N", state)])?;
-    shapes.expect("k_bias", &[("H", heads), ("N", state)])?;
+    shapes.exact("q_bias", &[("H", heads), ("N", state)])?;
+    shapes.exact("k_bias", &[("H", heads), ("N", state)])?;
     let angles = shapes.required("angles", &["B", "L", "H", "S"])?;
     if angles[..3] != [batch, length, heads] {
         return Err(
@@ -127,13 +127,13 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProble
             format!("the angle count S={rope} (axis 3) must be at most N/2 = {} (N={state})", state / 2),
         ));
     }
-    let has_d = shapes.expect_optional("d", &[("H", heads)])?;
-    let has_z = shapes.expect_optional("z", &[("B", batch), ("L", length), ("H", heads), ("P", head_dim)])?;
+    let has_d = shapes.exact_optional("d", &[("H", heads)])?;
+    let has_z = shapes.exact_optional("z", &[("B", batch), ("L", length), ("H", heads), ("P", head_dim)])?;
     let given = [
-        shapes.expect_optional("angle_state", &[("B", batch), ("H", heads), ("S", rope)])?,
-        shapes.expect_optional("ssm_state", &[("B", batch), ("H", heads), ("P", head_dim), ("N", state)])?,
-        shapes.expect_optional("k_state", &[("B", batch), ("H", heads), ("N", state)])?,
-        shapes.expect_optional("v_state", &[("B", batch), ("H", heads), ("P", head_dim)])?,
+        shapes.exact_optional("angle_state", &[("B", batch), ("H", heads), ("S", rope)])?,
+        shapes.exact_optional("ssm_state", &[("B", batch), ("H", heads), ("P", head_dim), ("N", state)])?,
+        shapes.exact_optional("k_state", &[("B", batch), ("H", heads), ("N", state)])?,
+        shapes.exact_optional("v_state", &[("B", batch), ("H", heads), ("P", head_dim)])?,
     ];
     let has_states = given.iter().all(|&g| g);
     if !has_states && given.iter().any(|&g| g) {
@@ -338,7 +338,7 @@ fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool)
 }
 
 fn tensor(shape: Vec<usize>, data: Vec<f64>) -> Tensor<f64> {
-    Tensor::new(shape, data).expect("reference output size matches its shape")
+    Tensor::from_parts(shape, data)
 }
 
 /// The f64 forward reference: `out` and the four final states.
@@ -1007,12 +1007,12 @@ impl OpDef for SisoBwd {
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
         let mut p = check_common(shapes, scalars)?;
         let (b, l, h, n, pd, s) = (p.batch, p.length, p.heads, p.state, p.head_dim, p.rope);
-        shapes.expect("dout", &[("B", b), ("L", l), ("H", h), ("P", pd)])?;
+        shapes.exact("dout", &[("B", b), ("L", l), ("H", h), ("P", pd)])?;
         p.has_dfinal = [
-            shapes.expect_optional(DFINAL[0], &[("B", b), ("H", h), ("S", s)])?,
-            shapes.expect_optional(DFINAL[1], &[("B", b), ("H", h), ("P", pd), ("N", n)])?,
-            shapes.expect_optional(DFINAL[2], &[("B", b), ("H", h), ("N", n)])?,
-            shapes.expect_optional(DFINAL[3], &[("B", b), ("H", h), ("P", pd)])?,
+            shapes.exact_optional(DFINAL[0], &[("B", b), ("H", h), ("S", s)])?,
+            shapes.exact_optional(DFINAL[1], &[("B", b), ("H", h), ("P", pd), ("N", n)])?,
+            shapes.exact_optional(DFINAL[2], &[("B", b), ("H", h), ("N", n)])?,
+            shapes.exact_optional(DFINAL[3], &[("B", b), ("H", h), ("P", pd)])?,
         ];
         Ok(p)
     }

@@ -49,7 +49,7 @@ impl RmsNormProblem {
 fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<RmsNormProblem> {
     let x = shapes.required("x", &["rows", "n"])?;
     let (rows, n) = (x[0], x[1]);
-    let has_weight = shapes.expect_optional("weight", &[("n", n)])?;
+    let has_weight = shapes.exact_optional("weight", &[("n", n)])?;
     let eps = scalars.finite_f32_or("eps", 1e-5)?;
     if eps < 0.0 {
         return Err(scalars.error("eps", format!("must be >= 0, got {eps}")));
@@ -99,7 +99,7 @@ impl OpDef for RmsNormFwd {
         });
         let mut out = TensorMap::new();
         out.insert("y".into(), y);
-        out.insert("rstd".into(), Tensor::new(vec![p.rows], rstd).expect("rows values"));
+        out.insert("rstd".into(), Tensor::from_parts(vec![p.rows], rstd));
         out
     }
 
@@ -132,7 +132,7 @@ impl OpDef for RmsNormBwd {
 
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<RmsNormProblem> {
         let problem = check_common(shapes, scalars)?;
-        shapes.expect("dy", &[("rows", problem.rows), ("n", problem.n)])?;
+        shapes.exact("dy", &[("rows", problem.rows), ("n", problem.n)])?;
         Ok(problem)
     }
 
@@ -154,9 +154,9 @@ impl OpDef for RmsNormBwd {
             }
         }
         let mut out = TensorMap::new();
-        out.insert("dx".into(), Tensor::new(vec![p.rows, p.n], dx).expect("rows*n values"));
+        out.insert("dx".into(), Tensor::from_parts(vec![p.rows, p.n], dx));
         if p.has_weight {
-            out.insert("dweight".into(), Tensor::new(vec![p.n], dweight).expect("n values"));
+            out.insert("dweight".into(), Tensor::from_parts(vec![p.n], dweight));
         }
         out
     }

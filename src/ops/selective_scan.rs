@@ -194,7 +194,7 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<ScanProble
     let delta_softplus = scalars.flag_or("delta_softplus", true)?;
     let u = shapes.required("u", &["batch", "dim", "length"])?;
     let (batch, dim, length) = (u[0], u[1], u[2]);
-    shapes.expect("delta", &[("batch", batch), ("dim", dim), ("length", length)])?;
+    shapes.exact("delta", &[("batch", batch), ("dim", dim), ("length", length)])?;
     let a = shapes.required("a", &["dim", "state"])?;
     if a[0] != dim {
         return Err(shapes.error("a", format!("expected shape [dim={dim}, state], got {a:?}")));
@@ -202,18 +202,18 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<ScanProble
     let state = a[1];
     let b = shapes.required("b", &["batch", "groups", "state", "length"])?;
     let groups = b[1];
-    shapes.expect("b", &[("batch", batch), ("groups", groups), ("state", state), ("length", length)])?;
+    shapes.exact("b", &[("batch", batch), ("groups", groups), ("state", state), ("length", length)])?;
     if dim % groups != 0 {
         return Err(shapes.error(
             "b",
             format!("groups={groups} must divide dim={dim} (channel d reads group d / (dim/groups)), got shape {b:?}"),
         ));
     }
-    shapes.expect("c", &[("batch", batch), ("groups", groups), ("state", state), ("length", length)])?;
-    let has_d = shapes.expect_optional("d", &[("dim", dim)])?;
-    let has_z = shapes.expect_optional("z", &[("batch", batch), ("dim", dim), ("length", length)])?;
-    let has_delta_bias = shapes.expect_optional("delta_bias", &[("dim", dim)])?;
-    let has_h0 = shapes.expect_optional("h0", &[("batch", batch), ("dim", dim), ("state", state)])?;
+    shapes.exact("c", &[("batch", batch), ("groups", groups), ("state", state), ("length", length)])?;
+    let has_d = shapes.exact_optional("d", &[("dim", dim)])?;
+    let has_z = shapes.exact_optional("z", &[("batch", batch), ("dim", dim), ("length", length)])?;
+    let has_delta_bias = shapes.exact_optional("delta_bias", &[("dim", dim)])?;
+    let has_h0 = shapes.exact_optional("h0", &[("batch", batch), ("dim", dim), ("state", state)])?;
     Ok(ScanProblem {
         batch,
         dim,
@@ -325,11 +325,8 @@ impl OpDef for ScanFwd {
             }
         }
         let mut result = TensorMap::new();
-        result.insert("out".into(), Tensor::new(vec![p.batch, p.dim, length], out).expect("out size"));
-        result.insert(
-            "last_state".into(),
-            Tensor::new(vec![p.batch, p.dim, n_state], last_state).expect("last_state size"),
-        );
+        result.insert("out".into(), Tensor::from_parts(vec![p.batch, p.dim, length], out));
+        result.insert("last_state".into(), Tensor::from_parts(vec![p.batch, p.dim, n_state], last_state));
         result
     }
 
@@ -378,9 +375,9 @@ impl OpDef for ScanBwd {
 
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<ScanProblem> {
         let mut p = check_common(shapes, scalars)?;
-        shapes.expect("dout", &[("batch", p.batch), ("dim", p.dim), ("length", p.length)])?;
+        shapes.exact("dout", &[("batch", p.batch), ("dim", p.dim), ("length", p.length)])?;
         p.has_dlast_state =
-            shapes.expect_optional("dlast_state", &[("batch", p.batch), ("dim", p.dim), ("state", p.state)])?;
+            shapes.exact_optional("dlast_state", &[("batch", p.batch), ("dim", p.dim), ("state", p.state)])?;
         Ok(p)
     }
 
@@ -445,22 +442,22 @@ impl OpDef for ScanBwd {
         let rows_shape = vec![p.batch, p.dim, length];
         let bc_shape = vec![p.batch, p.groups, n_state, length];
         let mut out = TensorMap::new();
-        out.insert("du".into(), Tensor::new(rows_shape.clone(), du).expect("du size"));
-        out.insert("ddelta".into(), Tensor::new(rows_shape.clone(), ddelta).expect("ddelta size"));
-        out.insert("da".into(), Tensor::new(vec![p.dim, n_state], da).expect("da size"));
-        out.insert("db".into(), Tensor::new(bc_shape.clone(), db).expect("db size"));
-        out.insert("dc".into(), Tensor::new(bc_shape, dc).expect("dc size"));
+        out.insert("du".into(), Tensor::from_parts(rows_shape.clone(), du));
+        out.insert("ddelta".into(), Tensor::from_parts(rows_shape.clone(), ddelta));
+        out.insert("da".into(), Tensor::from_parts(vec![p.dim, n_state], da));
+        out.insert("db".into(), Tensor::from_parts(bc_shape.clone(), db));
+        out.insert("dc".into(), Tensor::from_parts(bc_shape, dc));
         if p.has_d {
-            out.insert("dd".into(), Tensor::new(vec![p.dim], dd).expect("dd size"));
+            out.insert("dd".into(), Tensor::from_parts(vec![p.dim], dd));
         }
         if p.has_z {
-            out.insert("dz".into(), Tensor::new(rows_shape, dz).expect("dz size"));
+            out.insert("dz".into(), Tensor::from_parts(rows_shape, dz));
         }
         if p.has_delta_bias {
-            out.insert("ddelta_bias".into(), Tensor::new(vec![p.dim], ddelta_bias).expect("ddelta_bias size"));
+            out.insert("ddelta_bias".into(), Tensor::from_parts(vec![p.dim], ddelta_bias));
         }
         if p.has_h0 {
-            out.insert("dh0".into(), Tensor::new(vec![p.batch, p.dim, n_state], dh0).expect("dh0 size"));
+            out.insert("dh0".into(), Tensor::from_parts(vec![p.batch, p.dim, n_state], dh0));
         }
         out
     }
