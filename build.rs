@@ -77,22 +77,40 @@ fn main() {
         for dependency in read_depfile(&dep) {
             println!("cargo:rerun-if-changed={}", dependency.display());
         }
-        let mut words = std::fs::read(&spv).expect("slangc wrote the SPIR-V");
-        rewrite_opsource_language(&mut words);
-        std::fs::write(&spv, &words).expect("write SPIR-V");
-        if let Some(optimiser) = &spirv_opt {
-            optimise_spirv(optimiser, &spv, source);
-            words = std::fs::read(&spv).expect("spirv-opt wrote the SPIR-V");
-        }
-        set_hash.write(&words);
-        let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
-        set_hash.write(&cuda_text);
-
         let reflection: serde_json::Value =
             serde_json::from_slice(&std::fs::read(&json).expect("slangc wrote reflection"))
                 .expect("reflection JSON parses");
         let (push_bytes, fields) = push_constant_layout(&reflection, &stem);
         let entries = entry_points(&reflection, &stem);
+        // One SPIR-V module per entry point: spirv-opt can then turn the `static` push-constant
+        // copy every kernel makes into SSA values (with several entry points in one module, that
+        // Private variable is shared between them and survives as memory).
+        for (name, _) in &entries {
+            let entry_spv = out.join(format!("{stem}.{name}.spv"));
+            run_slangc(
+                &slangc,
+                Command::new(&slangc)
+                    .arg(source)
+                    .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
+                    .args(["-entry", name, "-stage", "compute"])
+                    .args(["-warnings-disable", "41012"])
+                    .arg("-I")
+                    .arg(&common_dir)
+                    .arg("-o")
+                    .arg(&entry_spv),
+                source,
+            );
+            let mut words = std::fs::read(&entry_spv).expect("slangc wrote the SPIR-V");
+            rewrite_opsource_language(&mut words);
+            std::fs::write(&entry_spv, &words).expect("write SPIR-V");
+            if let Some(optimiser) = &spirv_opt {
+                optimise_spirv(optimiser, &entry_spv, source);
+                words = std::fs::read(&entry_spv).expect("spirv-opt wrote the SPIR-V");
+            }
+            set_hash.write(&words);
+        }
+        let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
+        set_hash.write(&cuda_text);
 
         let module = stem.clone();
         writeln!(generated, "/// Kernel file `shaders/kernels/{stem}.slang`.").unwrap();
@@ -114,12 +132,18 @@ fn main() {
 
         let entry_list: Vec<String> = entries
             .iter()
-            .map(|(name, t)| format!("EntryPoint {{ name: \"{name}\", threads: [{}, {}, {}] }}", t[0], t[1], t[2]))
+            .map(|(name, t)| {
+                format!(
+                    "EntryPoint {{ name: \"{name}\", threads: [{}, {}, {}], \
+                     spirv: include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.{name}.spv\")) }}",
+                    t[0], t[1], t[2]
+                )
+            })
             .collect();
         let field_list: Vec<String> = fields.iter().map(|(n, o)| format!("(\"{n}\", {o})")).collect();
         writeln!(
             table,
-            "    KernelFile {{ name: \"{stem}\", spirv: include_bytes!(concat!(env!(\"OUT_DIR\"), \"/{stem}.spv\")), \
+            "    KernelFile {{ name: \"{stem}\", \
              cuda_source: include_str!(concat!(env!(\"OUT_DIR\"), \"/{stem}.cu\")), push_constant_bytes: {push_bytes}, \
              push_constant_fields: &[{}], entry_points: &[{}] }},",
             field_list.join(", "),

@@ -7,8 +7,6 @@
 pub struct KernelFile {
     /// File stem, e.g. `rmsnorm`.
     pub name: &'static str,
-    /// SPIR-V 1.5 module holding every entry point of the file.
-    pub spirv: &'static [u8],
     /// Self-contained CUDA C++ emitted by `slangc -target cuda`.
     pub cuda_source: &'static str,
     /// Size of the push-constant block, from reflection.
@@ -24,6 +22,8 @@ pub struct EntryPoint {
     pub name: &'static str,
     /// Thread-group size declared by `[numthreads]`.
     pub threads: [u32; 3],
+    /// SPIR-V 1.5 module holding this entry point alone.
+    pub spirv: &'static [u8],
 }
 
 /// A handle to one entry point: indices into [`KERNEL_FILES`].

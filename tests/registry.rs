@@ -13,8 +13,15 @@ use mamba_kernels::{BackendKind, Device};
 fn every_kernel_file_has_spirv_and_cuda_source() {
     assert!(!KERNEL_FILES.is_empty());
     for file in KERNEL_FILES {
-        assert!(file.spirv.len() > 20 && file.spirv.len() % 4 == 0, "{}: SPIR-V missing", file.name);
-        assert_eq!(&file.spirv[..4], &0x0723_0203u32.to_le_bytes(), "{}: not SPIR-V", file.name);
+        for entry in file.entry_points {
+            assert!(
+                entry.spirv.len() > 20 && entry.spirv.len() % 4 == 0,
+                "{}::{}: SPIR-V missing",
+                file.name,
+                entry.name
+            );
+            assert_eq!(&entry.spirv[..4], &0x0723_0203u32.to_le_bytes(), "{}::{}: not SPIR-V", file.name, entry.name);
+        }
         assert!(file.push_constant_bytes <= 128, "{}: push constants over 128 bytes", file.name);
         // Slang's generic ByteAddressBuffer Load<T>/Store<T> become memcpy (single-byte accesses) on
         // CUDA: kernels must go through shaders/common/storage.slang, which emits typed accesses.

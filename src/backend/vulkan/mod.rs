@@ -92,7 +92,7 @@ struct State {
     allocator: ManuallyDrop<Allocator>,
     buffers: Vec<Option<BufferEntry>>,
     free_slots: Vec<u32>,
-    modules: HashMap<usize, vk::ShaderModule>,
+    modules: HashMap<KernelRef, vk::ShaderModule>,
     pipelines: HashMap<KernelRef, vk::Pipeline>,
     pipeline_cache: vk::PipelineCache,
     cache_dirty: bool,
@@ -737,23 +737,23 @@ impl Shared {
         }
         let file =
             KERNEL_FILES.get(kernel.file).ok_or_else(|| Error::Dispatch(format!("no kernel file {}", kernel.file)))?;
-        let module = match state.modules.get(&kernel.file) {
-            Some(&m) => m,
-            None => {
-                let words: Vec<u32> =
-                    file.spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
-                let info = vk::ShaderModuleCreateInfo::default().code(&words);
-                // SAFETY: build.rs produced this SPIR-V with slangc.
-                let module = unsafe { self.device.create_shader_module(&info, None) }
-                    .map_err(vk_error("vkCreateShaderModule"))?;
-                state.modules.insert(kernel.file, module);
-                module
-            }
-        };
         let entry = file
             .entry_points
             .get(kernel.entry)
             .ok_or_else(|| Error::Dispatch(format!("{} has no entry {}", file.name, kernel.entry)))?;
+        let module = match state.modules.get(&kernel) {
+            Some(&m) => m,
+            None => {
+                let words: Vec<u32> =
+                    entry.spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+                let info = vk::ShaderModuleCreateInfo::default().code(&words);
+                // SAFETY: build.rs produced this SPIR-V with slangc.
+                let module = unsafe { self.device.create_shader_module(&info, None) }
+                    .map_err(vk_error("vkCreateShaderModule"))?;
+                state.modules.insert(kernel, module);
+                module
+            }
+        };
         let name = CString::new(entry.name).map_err(|_| Error::Dispatch(format!("bad entry name {}", entry.name)))?;
         let stage = vk::PipelineShaderStageCreateInfo::default()
             .stage(vk::ShaderStageFlags::COMPUTE)
