@@ -76,8 +76,9 @@ enum Command {
     },
     /// Times compiling or loading every kernel on the CUDA backend (cold when the cache is empty).
     Startup,
-    /// The main job of `make run`: a realistic Mamba-3 preprocess forward and backward on the
-    /// default device, checked against the CPU reference and for determinism.
+    /// The main job of `make run`: a realistic Mamba-3 layer's kernels (preprocess and SISO scan,
+    /// forward and backward) on the default device, checked against the CPU reference and for
+    /// determinism.
     Demo {
         #[arg(long, default_value = "vulkan")]
         backend: String,
@@ -261,7 +262,7 @@ fn demo(backend: &str) -> Result<()> {
     let size = if gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
     println!("device: {}", device.description());
     let cpu = Device::cpu();
-    for name in ["mamba3_preprocess_fwd", "mamba3_preprocess_bwd"] {
+    for name in ["mamba3_preprocess_fwd", "mamba3_preprocess_bwd", "mamba3_siso_fwd", "mamba3_siso_bwd"] {
         let op = ops::find(name)?;
         let (inputs, scalars) = op.example(size, 2026);
         let prepared = op.prepare(gpu, &inputs, &scalars)?;
@@ -276,9 +277,11 @@ fn demo(backend: &str) -> Result<()> {
             Ok(again) => first.iter().all(|(k, v)| bitwise_equal(v, &again[k])),
             Err(_) => false,
         });
-        let rows = inputs["projected"].shape()[0];
+        let (input_name, tensor) =
+            inputs.iter().max_by_key(|(_, t)| t.len()).ok_or_else(|| anyhow!("{name}: empty example"))?;
         println!(
-            "{name}: rows {rows}, GPU {:.1} µs ({:.0} GB/s), CPU reference {:.2} s, bitwise repeatable over 3 runs: {}",
+            "{name}: `{input_name}` {:?}, GPU {:.1} µs ({:.0} GB/s), CPU reference {:.2} s, bitwise repeatable over 3 runs: {}",
+            tensor.shape(),
             seconds * 1e6,
             prepared.traffic_bytes as f64 / seconds / 1e9,
             reference_seconds,
