@@ -26,7 +26,7 @@ pub fn device(kind: BackendKind) -> Option<Device> {
             if kind == BackendKind::Vulkan && std::env::var(REQUIRE_VULKAN_ENV).is_ok_and(|v| v == "1") {
                 panic!("{REQUIRE_VULKAN_ENV}=1 but the Vulkan backend is unavailable: {reason}");
             }
-            eprintln!("skipped: {kind} backend unavailable: {reason}");
+            eprintln!("skipped: {reason}");
             None
         }
     }
