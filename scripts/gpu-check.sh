@@ -56,7 +56,8 @@ for step in $steps; do
     sanitize)
       echo "== compute-sanitizer (memcheck, racecheck) on the CUDA backend =="
       for tool in memcheck racecheck; do
-        compute-sanitizer --tool "$tool" --print-limit 10 "$run" compare --backends cuda --size small 2>&1 | tail -4
+        timeout "${SANITIZE_SECONDS:-600}" compute-sanitizer --tool "$tool" --print-limit 10 \
+          "$run" compare --backends cuda --size small 2>&1 | tail -4
       done ;;
   esac
 done
