@@ -405,6 +405,53 @@ fn choose(candidates: &[Candidate]) -> Result<usize> {
         })
 }
 
+/// Everything `open_device` makes; `Shared::new` joins it with the instance.
+struct OpenedDevice {
+    device: ash::Device,
+    queue: vk::Queue,
+    description: String,
+    statistics: Option<ash::khr::pipeline_executable_properties::Device>,
+    is_cpu: bool,
+    max_buffer_bytes: u64,
+    slot_capacity: u32,
+    timestamp_period_ns: f64,
+    timestamp_mask: u64,
+    set_layout: vk::DescriptorSetLayout,
+    pipeline_layout: vk::PipelineLayout,
+    descriptor_pool: vk::DescriptorPool,
+    descriptor_set: vk::DescriptorSet,
+    cache_key: CacheKey,
+    cache_path: Option<PathBuf>,
+    state: State,
+}
+
+impl Shared {
+    fn new(parts: InstanceParts, opened: OpenedDevice) -> Self {
+        Shared {
+            _entry: parts.entry,
+            instance: parts.instance,
+            debug: parts.debug,
+            validation: parts.validation,
+            device: opened.device,
+            queue: opened.queue,
+            description: opened.description,
+            statistics: opened.statistics,
+            is_cpu: opened.is_cpu,
+            max_buffer_bytes: opened.max_buffer_bytes,
+            slot_capacity: opened.slot_capacity,
+            timestamp_period_ns: opened.timestamp_period_ns,
+            timestamp_mask: opened.timestamp_mask,
+            set_layout: opened.set_layout,
+            pipeline_layout: opened.pipeline_layout,
+            descriptor_pool: opened.descriptor_pool,
+            descriptor_set: opened.descriptor_set,
+            cache_key: opened.cache_key,
+            cache_path: opened.cache_path,
+            state: Mutex::new(opened.state),
+        }
+    }
+}
+
 impl VulkanGpu {
     /// Opens the device `MAMBA_VK_DEVICE` names, else the first discrete GPU, else an integrated
     /// one, else a CPU device such as lavapipe. Validation follows `MAMBA_VK_VALIDATION`.
@@ -416,224 +463,13 @@ impl VulkanGpu {
     /// As [`VulkanGpu::new`], with validation chosen by the caller.
     pub fn with_validation(validation: bool) -> Result<Self> {
         let parts = create_instance(validation)?;
-        match Self::open(&parts) {
-            Ok(shared) => Ok(VulkanGpu { shared: Arc::new(shared(parts)) }),
+        match open_device(&parts) {
+            Ok(opened) => Ok(VulkanGpu { shared: Arc::new(Shared::new(parts, opened)) }),
             Err(error) => {
                 destroy_instance(parts);
                 Err(error)
             }
         }
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn open(parts: &InstanceParts) -> Result<Box<dyn FnOnce(InstanceParts) -> Shared>> {
-        let instance = &parts.instance;
-        let candidates = survey(instance)?;
-        let chosen = &candidates[choose(&candidates)?];
-        let physical = chosen.physical;
-        let queue_family = chosen
-            .queue_family
-            .ok_or_else(|| Error::DeviceUnavailable { backend: "vulkan", reason: "no compute queue".into() })?;
-        // SAFETY: queries and object creation on a valid instance / device; all create-info
-        // pointers outlive the calls.
-        let properties = unsafe { instance.get_physical_device_properties(physical) };
-        let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
-        let mut descriptor_indexing = vk::PhysicalDeviceDescriptorIndexingProperties::default();
-        let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut descriptor_indexing);
-        unsafe { instance.get_physical_device_properties2(physical, &mut properties2) };
-        let slot_capacity = MAX_SLOTS
-            .min(descriptor_indexing.max_descriptor_set_update_after_bind_storage_buffers)
-            .min(descriptor_indexing.max_per_stage_descriptor_update_after_bind_storage_buffers);
-
-        let device_extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(physical) }
-            .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
-            .iter()
-            .map(|e| c_chars(&e.extension_name))
-            .collect();
-        let mut extensions: Vec<*const std::ffi::c_char> = Vec::new();
-        if device_extensions.iter().any(|e| e == "VK_KHR_portability_subset") {
-            extensions.push(c"VK_KHR_portability_subset".as_ptr());
-        }
-        let pipeline_stats = std::env::var(PIPELINE_STATS_ENV).is_ok_and(|v| v == "1")
-            && device_extensions.iter().any(|e| e == "VK_KHR_pipeline_executable_properties");
-        if pipeline_stats {
-            extensions.push(ash::khr::pipeline_executable_properties::NAME.as_ptr());
-        }
-        let mut executable_properties =
-            vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
-        let priorities = [1.0f32];
-        let queue_info =
-            [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
-        let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
-            .runtime_descriptor_array(true)
-            .descriptor_binding_partially_bound(true)
-            .descriptor_binding_variable_descriptor_count(true)
-            .descriptor_binding_storage_buffer_update_after_bind(true);
-        let mut device_info = vk::DeviceCreateInfo::default()
-            .queue_create_infos(&queue_info)
-            .enabled_extension_names(&extensions)
-            .push_next(&mut f12);
-        if pipeline_stats {
-            device_info = device_info.push_next(&mut executable_properties);
-        }
-        let device =
-            unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
-        let build =
-            || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
-                let binding_flags = [vk::DescriptorBindingFlags::PARTIALLY_BOUND
-                    | vk::DescriptorBindingFlags::VARIABLE_DESCRIPTOR_COUNT
-                    | vk::DescriptorBindingFlags::UPDATE_AFTER_BIND];
-                let mut flags_info =
-                    vk::DescriptorSetLayoutBindingFlagsCreateInfo::default().binding_flags(&binding_flags);
-                let bindings = [vk::DescriptorSetLayoutBinding::default()
-                    .binding(0)
-                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-                    .descriptor_count(slot_capacity)
-                    .stage_flags(vk::ShaderStageFlags::COMPUTE)];
-                let layout_info = vk::DescriptorSetLayoutCreateInfo::default()
-                    .bindings(&bindings)
-                    .flags(vk::DescriptorSetLayoutCreateFlags::UPDATE_AFTER_BIND_POOL)
-                    .push_next(&mut flags_info);
-                let set_layout = unsafe { device.create_descriptor_set_layout(&layout_info, None) }
-                    .map_err(vk_error("vkCreateDescriptorSetLayout"))?;
-                let ranges = [vk::PushConstantRange::default()
-                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
-                    .offset(0)
-                    .size(MAX_PUSH_CONSTANT_BYTES as u32)];
-                let set_layouts = [set_layout];
-                let pipeline_layout_info =
-                    vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts).push_constant_ranges(&ranges);
-                let pipeline_layout = unsafe { device.create_pipeline_layout(&pipeline_layout_info, None) }
-                    .map_err(vk_error("vkCreatePipelineLayout"))?;
-                let pool_sizes = [vk::DescriptorPoolSize::default()
-                    .ty(vk::DescriptorType::STORAGE_BUFFER)
-                    .descriptor_count(slot_capacity)];
-                let pool_info = vk::DescriptorPoolCreateInfo::default()
-                    .pool_sizes(&pool_sizes)
-                    .max_sets(1)
-                    .flags(vk::DescriptorPoolCreateFlags::UPDATE_AFTER_BIND);
-                let descriptor_pool = unsafe { device.create_descriptor_pool(&pool_info, None) }
-                    .map_err(vk_error("vkCreateDescriptorPool"))?;
-                let counts = [slot_capacity];
-                let mut variable =
-                    vk::DescriptorSetVariableDescriptorCountAllocateInfo::default().descriptor_counts(&counts);
-                let allocate = vk::DescriptorSetAllocateInfo::default()
-                    .descriptor_pool(descriptor_pool)
-                    .set_layouts(&set_layouts)
-                    .push_next(&mut variable);
-                let descriptor_set = unsafe { device.allocate_descriptor_sets(&allocate) }
-                    .map_err(vk_error("vkAllocateDescriptorSets"))?[0];
-                Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
-            };
-        let (set_layout, pipeline_layout, descriptor_pool, descriptor_set) = match build() {
-            Ok(v) => v,
-            Err(e) => {
-                unsafe { device.destroy_device(None) };
-                return Err(e);
-            }
-        };
-        let allocator = Allocator::new(&AllocatorCreateDesc {
-            instance: instance.clone(),
-            device: device.clone(),
-            physical_device: physical,
-            debug_settings: Default::default(),
-            buffer_device_address: false,
-            allocation_sizes: Default::default(),
-        })
-        .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
-        let queue = unsafe { device.get_device_queue(queue_family, 0) };
-        let statistics =
-            pipeline_stats.then(|| ash::khr::pipeline_executable_properties::Device::new(instance, &device));
-        let pool_info = vk::CommandPoolCreateInfo::default()
-            .queue_family_index(queue_family)
-            .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
-        let command_pool =
-            unsafe { device.create_command_pool(&pool_info, None) }.map_err(vk_error("vkCreateCommandPool"))?;
-        let command_buffer = unsafe {
-            device.allocate_command_buffers(
-                &vk::CommandBufferAllocateInfo::default()
-                    .command_pool(command_pool)
-                    .level(vk::CommandBufferLevel::PRIMARY)
-                    .command_buffer_count(1),
-            )
-        }
-        .map_err(vk_error("vkAllocateCommandBuffers"))?[0];
-        let fence =
-            unsafe { device.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(vk_error("vkCreateFence"))?;
-
-        let mut driver = vk::PhysicalDeviceDriverProperties::default();
-        let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut driver);
-        unsafe { instance.get_physical_device_properties2(physical, &mut p2) };
-        let cache_key = CacheKey {
-            vendor_id: properties.vendor_id,
-            device_id: properties.device_id,
-            driver_version: properties.driver_version,
-            pipeline_cache_uuid: properties.pipeline_cache_uuid,
-            shader_set_hash: SHADER_SET_HASH,
-        };
-        let cache_path = pipeline_cache::cache_path(&cache_key);
-        let initial = cache_path.as_deref().and_then(|p| pipeline_cache::load(p, &cache_key)).unwrap_or_default();
-        let pipeline_cache = unsafe {
-            device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default().initial_data(&initial), None)
-        }
-        .or_else(|_| unsafe { device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None) })
-        .map_err(vk_error("vkCreatePipelineCache"))?;
-
-        let description = format!(
-            "{} ({}, Vulkan {}, {})",
-            chosen.report.name,
-            chosen.report.kind,
-            version_string(properties.api_version),
-            chosen.report.driver
-        );
-        let is_cpu = chosen.device_type == vk::PhysicalDeviceType::CPU;
-        let max_buffer_bytes = u64::from(properties.limits.max_storage_buffer_range).min(u64::from(u32::MAX) - 15);
-        let timestamp_bits = families[queue_family as usize].timestamp_valid_bits;
-        let timestamp_mask = if timestamp_bits >= 64 { u64::MAX } else { (1u64 << timestamp_bits) - 1 };
-        let timestamp_period_ns = f64::from(properties.limits.timestamp_period);
-
-        let mut state = State {
-            allocator: ManuallyDrop::new(allocator),
-            buffers: Vec::new(),
-            free_slots: Vec::new(),
-            modules: HashMap::new(),
-            pipelines: HashMap::new(),
-            pipeline_cache,
-            cache_dirty: false,
-            command_pool,
-            command_buffer,
-            fence,
-            query_pool: vk::QueryPool::null(),
-            query_capacity: 0,
-            placeholder: vk::Buffer::null(),
-            placeholder_allocation: None,
-        };
-        let (placeholder, placeholder_allocation) =
-            create_buffer(&device, &mut state.allocator, 16, MemoryLocation::GpuOnly, "placeholder")?;
-        state.placeholder = placeholder;
-        state.placeholder_allocation = Some(placeholder_allocation);
-        Ok(Box::new(move |parts: InstanceParts| Shared {
-            _entry: parts.entry,
-            instance: parts.instance,
-            debug: parts.debug,
-            validation: parts.validation,
-            device,
-            queue,
-            description,
-            statistics,
-            is_cpu,
-            max_buffer_bytes,
-            slot_capacity,
-            timestamp_period_ns,
-            timestamp_mask,
-            set_layout,
-            pipeline_layout,
-            descriptor_pool,
-            descriptor_set,
-            cache_key,
-            cache_path,
-            state: Mutex::new(state),
-        }))
     }
 
     /// Validation-layer warnings and errors seen so far (always empty without validation).
@@ -654,6 +490,207 @@ impl VulkanGpu {
     pub fn pipeline_cache_path(&self) -> Option<PathBuf> {
         self.shared.cache_path.clone()
     }
+}
+
+/// Chooses the physical device, creates the logical device, the bindless layout, the allocator,
+/// the command objects and the pipeline cache.
+fn open_device(parts: &InstanceParts) -> Result<OpenedDevice> {
+    let instance = &parts.instance;
+    let candidates = survey(instance)?;
+    let chosen = &candidates[choose(&candidates)?];
+    let physical = chosen.physical;
+    let queue_family = chosen
+        .queue_family
+        .ok_or_else(|| Error::DeviceUnavailable { backend: "vulkan", reason: "no compute queue".into() })?;
+    // SAFETY: queries and object creation on a valid instance / device; all create-info
+    // pointers outlive the calls.
+    let properties = unsafe { instance.get_physical_device_properties(physical) };
+    let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
+    let mut descriptor_indexing = vk::PhysicalDeviceDescriptorIndexingProperties::default();
+    let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut descriptor_indexing);
+    unsafe { instance.get_physical_device_properties2(physical, &mut properties2) };
+    let slot_capacity = MAX_SLOTS
+        .min(descriptor_indexing.max_descriptor_set_update_after_bind_storage_buffers)
+        .min(descriptor_indexing.max_per_stage_descriptor_update_after_bind_storage_buffers);
+
+    let device_extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(physical) }
+        .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
+        .iter()
+        .map(|e| c_chars(&e.extension_name))
+        .collect();
+    let mut extensions: Vec<*const std::ffi::c_char> = Vec::new();
+    if device_extensions.iter().any(|e| e == "VK_KHR_portability_subset") {
+        extensions.push(c"VK_KHR_portability_subset".as_ptr());
+    }
+    let pipeline_stats = std::env::var(PIPELINE_STATS_ENV).is_ok_and(|v| v == "1")
+        && device_extensions.iter().any(|e| e == "VK_KHR_pipeline_executable_properties");
+    if pipeline_stats {
+        extensions.push(ash::khr::pipeline_executable_properties::NAME.as_ptr());
+    }
+    let mut executable_properties =
+        vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default().pipeline_executable_info(true);
+    let priorities = [1.0f32];
+    let queue_info =
+        [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
+    let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
+        .runtime_descriptor_array(true)
+        .descriptor_binding_partially_bound(true)
+        .descriptor_binding_variable_descriptor_count(true)
+        .descriptor_binding_storage_buffer_update_after_bind(true);
+    let mut device_info = vk::DeviceCreateInfo::default()
+        .queue_create_infos(&queue_info)
+        .enabled_extension_names(&extensions)
+        .push_next(&mut f12);
+    if pipeline_stats {
+        device_info = device_info.push_next(&mut executable_properties);
+    }
+    let device = unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
+    let build = || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
+        let binding_flags = [vk::DescriptorBindingFlags::PARTIALLY_BOUND
+            | vk::DescriptorBindingFlags::VARIABLE_DESCRIPTOR_COUNT
+            | vk::DescriptorBindingFlags::UPDATE_AFTER_BIND];
+        let mut flags_info = vk::DescriptorSetLayoutBindingFlagsCreateInfo::default().binding_flags(&binding_flags);
+        let bindings = [vk::DescriptorSetLayoutBinding::default()
+            .binding(0)
+            .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+            .descriptor_count(slot_capacity)
+            .stage_flags(vk::ShaderStageFlags::COMPUTE)];
+        let layout_info = vk::DescriptorSetLayoutCreateInfo::default()
+            .bindings(&bindings)
+            .flags(vk::DescriptorSetLayoutCreateFlags::UPDATE_AFTER_BIND_POOL)
+            .push_next(&mut flags_info);
+        let set_layout = unsafe { device.create_descriptor_set_layout(&layout_info, None) }
+            .map_err(vk_error("vkCreateDescriptorSetLayout"))?;
+        let ranges = [vk::PushConstantRange::default()
+            .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            .offset(0)
+            .size(MAX_PUSH_CONSTANT_BYTES as u32)];
+        let set_layouts = [set_layout];
+        let pipeline_layout_info =
+            vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts).push_constant_ranges(&ranges);
+        let pipeline_layout = unsafe { device.create_pipeline_layout(&pipeline_layout_info, None) }
+            .map_err(vk_error("vkCreatePipelineLayout"))?;
+        let pool_sizes =
+            [vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(slot_capacity)];
+        let pool_info = vk::DescriptorPoolCreateInfo::default()
+            .pool_sizes(&pool_sizes)
+            .max_sets(1)
+            .flags(vk::DescriptorPoolCreateFlags::UPDATE_AFTER_BIND);
+        let descriptor_pool =
+            unsafe { device.create_descriptor_pool(&pool_info, None) }.map_err(vk_error("vkCreateDescriptorPool"))?;
+        let counts = [slot_capacity];
+        let mut variable = vk::DescriptorSetVariableDescriptorCountAllocateInfo::default().descriptor_counts(&counts);
+        let allocate = vk::DescriptorSetAllocateInfo::default()
+            .descriptor_pool(descriptor_pool)
+            .set_layouts(&set_layouts)
+            .push_next(&mut variable);
+        let descriptor_set =
+            unsafe { device.allocate_descriptor_sets(&allocate) }.map_err(vk_error("vkAllocateDescriptorSets"))?[0];
+        Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
+    };
+    let (set_layout, pipeline_layout, descriptor_pool, descriptor_set) = match build() {
+        Ok(v) => v,
+        Err(e) => {
+            unsafe { device.destroy_device(None) };
+            return Err(e);
+        }
+    };
+    let allocator = Allocator::new(&AllocatorCreateDesc {
+        instance: instance.clone(),
+        device: device.clone(),
+        physical_device: physical,
+        debug_settings: Default::default(),
+        buffer_device_address: false,
+        allocation_sizes: Default::default(),
+    })
+    .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
+    let queue = unsafe { device.get_device_queue(queue_family, 0) };
+    let statistics = pipeline_stats.then(|| ash::khr::pipeline_executable_properties::Device::new(instance, &device));
+    let pool_info = vk::CommandPoolCreateInfo::default()
+        .queue_family_index(queue_family)
+        .flags(vk::CommandPoolCreateFlags::RESET_COMMAND_BUFFER);
+    let command_pool =
+        unsafe { device.create_command_pool(&pool_info, None) }.map_err(vk_error("vkCreateCommandPool"))?;
+    let command_buffer = unsafe {
+        device.allocate_command_buffers(
+            &vk::CommandBufferAllocateInfo::default()
+                .command_pool(command_pool)
+                .level(vk::CommandBufferLevel::PRIMARY)
+                .command_buffer_count(1),
+        )
+    }
+    .map_err(vk_error("vkAllocateCommandBuffers"))?[0];
+    let fence =
+        unsafe { device.create_fence(&vk::FenceCreateInfo::default(), None) }.map_err(vk_error("vkCreateFence"))?;
+
+    let mut driver = vk::PhysicalDeviceDriverProperties::default();
+    let mut p2 = vk::PhysicalDeviceProperties2::default().push_next(&mut driver);
+    unsafe { instance.get_physical_device_properties2(physical, &mut p2) };
+    let cache_key = CacheKey {
+        vendor_id: properties.vendor_id,
+        device_id: properties.device_id,
+        driver_version: properties.driver_version,
+        pipeline_cache_uuid: properties.pipeline_cache_uuid,
+        shader_set_hash: SHADER_SET_HASH,
+    };
+    let cache_path = pipeline_cache::cache_path(&cache_key);
+    let initial = cache_path.as_deref().and_then(|p| pipeline_cache::load(p, &cache_key)).unwrap_or_default();
+    let pipeline_cache =
+        unsafe { device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default().initial_data(&initial), None) }
+            .or_else(|_| unsafe { device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None) })
+            .map_err(vk_error("vkCreatePipelineCache"))?;
+
+    let description = format!(
+        "{} ({}, Vulkan {}, {})",
+        chosen.report.name,
+        chosen.report.kind,
+        version_string(properties.api_version),
+        chosen.report.driver
+    );
+    let is_cpu = chosen.device_type == vk::PhysicalDeviceType::CPU;
+    let max_buffer_bytes = u64::from(properties.limits.max_storage_buffer_range).min(u64::from(u32::MAX) - 15);
+    let timestamp_bits = families[queue_family as usize].timestamp_valid_bits;
+    let timestamp_mask = if timestamp_bits >= 64 { u64::MAX } else { (1u64 << timestamp_bits) - 1 };
+    let timestamp_period_ns = f64::from(properties.limits.timestamp_period);
+
+    let mut state = State {
+        allocator: ManuallyDrop::new(allocator),
+        buffers: Vec::new(),
+        free_slots: Vec::new(),
+        modules: HashMap::new(),
+        pipelines: HashMap::new(),
+        pipeline_cache,
+        cache_dirty: false,
+        command_pool,
+        command_buffer,
+        fence,
+        query_pool: vk::QueryPool::null(),
+        query_capacity: 0,
+        placeholder: vk::Buffer::null(),
+        placeholder_allocation: None,
+    };
+    let (placeholder, placeholder_allocation) =
+        create_buffer(&device, &mut state.allocator, 16, MemoryLocation::GpuOnly, "placeholder")?;
+    state.placeholder = placeholder;
+    state.placeholder_allocation = Some(placeholder_allocation);
+    Ok(OpenedDevice {
+        device,
+        queue,
+        description,
+        statistics,
+        is_cpu,
+        max_buffer_bytes,
+        slot_capacity,
+        timestamp_period_ns,
+        timestamp_mask,
+        set_layout,
+        pipeline_layout,
+        descriptor_pool,
+        descriptor_set,
+        cache_key,
+        cache_path,
+        state,
+    })
 }
 
 fn destroy_instance(parts: InstanceParts) {
