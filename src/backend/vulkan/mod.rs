@@ -106,10 +106,6 @@ struct State {
 }
 
 struct Shared {
-    _entry: ash::Entry,
-    instance: ash::Instance,
-    debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
-    validation: Option<*const ValidationLog>,
     device: ash::Device,
     queue: vk::Queue,
     description: String,
@@ -126,6 +122,8 @@ struct Shared {
     cache_key: CacheKey,
     cache_path: Option<PathBuf>,
     state: Mutex<State>,
+    /// Declared last: dropped after `Drop for Shared` has destroyed the device.
+    base: InstanceParts,
 }
 
 // SAFETY: every Vulkan handle in Shared is used under the `state` mutex or is immutable after
@@ -182,8 +180,10 @@ fn load_entry() -> Result<ash::Entry> {
     })
 }
 
+/// The instance and what hangs off it; dropping it destroys them (after `Shared`'s device).
 struct InstanceParts {
-    entry: ash::Entry,
+    /// Keeps the Vulkan loader library loaded while the instance lives.
+    _entry: ash::Entry,
     instance: ash::Instance,
     debug: Option<(ash::ext::debug_utils::Instance, vk::DebugUtilsMessengerEXT)>,
     validation: Option<*const ValidationLog>,
@@ -274,7 +274,7 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
     } else {
         (None, None)
     };
-    Ok(InstanceParts { entry, instance, debug, validation: log_ptr })
+    Ok(InstanceParts { _entry: entry, instance, debug, validation: log_ptr })
 }
 
 fn required_features_missing(f12: &vk::PhysicalDeviceVulkan12Features<'_>) -> Vec<String> {
@@ -348,10 +348,7 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
 /// Every Vulkan device on this machine, with what each lacks.
 pub fn list_devices() -> Result<Vec<DeviceReport>> {
     let parts = create_instance(false)?;
-    let result = survey(&parts.instance).map(|c| c.into_iter().map(|c| c.report).collect());
-    // SAFETY: nothing else uses this instance.
-    unsafe { parts.instance.destroy_instance(None) };
-    result
+    survey(&parts.instance).map(|c| c.into_iter().map(|c| c.report).collect())
 }
 
 fn choose(candidates: &[Candidate]) -> Result<usize> {
@@ -405,53 +402,6 @@ fn choose(candidates: &[Candidate]) -> Result<usize> {
         })
 }
 
-/// Everything `open_device` makes; `Shared::new` joins it with the instance.
-struct OpenedDevice {
-    device: ash::Device,
-    queue: vk::Queue,
-    description: String,
-    statistics: Option<ash::khr::pipeline_executable_properties::Device>,
-    is_cpu: bool,
-    max_buffer_bytes: u64,
-    slot_capacity: u32,
-    timestamp_period_ns: f64,
-    timestamp_mask: u64,
-    set_layout: vk::DescriptorSetLayout,
-    pipeline_layout: vk::PipelineLayout,
-    descriptor_pool: vk::DescriptorPool,
-    descriptor_set: vk::DescriptorSet,
-    cache_key: CacheKey,
-    cache_path: Option<PathBuf>,
-    state: State,
-}
-
-impl Shared {
-    fn new(parts: InstanceParts, opened: OpenedDevice) -> Self {
-        Shared {
-            _entry: parts.entry,
-            instance: parts.instance,
-            debug: parts.debug,
-            validation: parts.validation,
-            device: opened.device,
-            queue: opened.queue,
-            description: opened.description,
-            statistics: opened.statistics,
-            is_cpu: opened.is_cpu,
-            max_buffer_bytes: opened.max_buffer_bytes,
-            slot_capacity: opened.slot_capacity,
-            timestamp_period_ns: opened.timestamp_period_ns,
-            timestamp_mask: opened.timestamp_mask,
-            set_layout: opened.set_layout,
-            pipeline_layout: opened.pipeline_layout,
-            descriptor_pool: opened.descriptor_pool,
-            descriptor_set: opened.descriptor_set,
-            cache_key: opened.cache_key,
-            cache_path: opened.cache_path,
-            state: Mutex::new(opened.state),
-        }
-    }
-}
-
 impl VulkanGpu {
     /// Opens the device `MAMBA_VK_DEVICE` names, else the first discrete GPU, else an integrated
     /// one, else a CPU device such as lavapipe. Validation follows `MAMBA_VK_VALIDATION`.
@@ -462,19 +412,13 @@ impl VulkanGpu {
 
     /// As [`VulkanGpu::new`], with validation chosen by the caller.
     pub fn with_validation(validation: bool) -> Result<Self> {
-        let parts = create_instance(validation)?;
-        match open_device(&parts) {
-            Ok(opened) => Ok(VulkanGpu { shared: Arc::new(Shared::new(parts, opened)) }),
-            Err(error) => {
-                destroy_instance(parts);
-                Err(error)
-            }
-        }
+        // On an error the instance is destroyed by dropping `InstanceParts`.
+        Ok(VulkanGpu { shared: Arc::new(open_device(create_instance(validation)?)?) })
     }
 
     /// Validation-layer warnings and errors seen so far (always empty without validation).
     pub fn validation_messages(&self) -> Vec<String> {
-        match self.shared.validation {
+        match self.shared.base.validation {
             // SAFETY: the log lives until Shared drops, which cannot happen while &self exists.
             Some(log) => unsafe { &*log }.messages.lock().map(|m| m.clone()).unwrap_or_default(),
             None => Vec::new(),
@@ -483,7 +427,7 @@ impl VulkanGpu {
 
     /// Whether the validation layer is on.
     pub fn validation_enabled(&self) -> bool {
-        self.shared.validation.is_some()
+        self.shared.base.validation.is_some()
     }
 
     /// Where the pipeline cache is persisted, if anywhere.
@@ -494,7 +438,7 @@ impl VulkanGpu {
 
 /// Chooses the physical device, creates the logical device, the bindless layout, the allocator,
 /// the command objects and the pipeline cache.
-fn open_device(parts: &InstanceParts) -> Result<OpenedDevice> {
+fn open_device(parts: InstanceParts) -> Result<Shared> {
     let instance = &parts.instance;
     let candidates = survey(instance)?;
     let chosen = &candidates[choose(&candidates)?];
@@ -673,7 +617,7 @@ fn open_device(parts: &InstanceParts) -> Result<OpenedDevice> {
         create_buffer(&device, &mut state.allocator, 16, MemoryLocation::GpuOnly, "placeholder")?;
     state.placeholder = placeholder;
     state.placeholder_allocation = Some(placeholder_allocation);
-    Ok(OpenedDevice {
+    Ok(Shared {
         device,
         queue,
         description,
@@ -689,19 +633,23 @@ fn open_device(parts: &InstanceParts) -> Result<OpenedDevice> {
         descriptor_set,
         cache_key,
         cache_path,
-        state,
+        state: Mutex::new(state),
+        base: parts,
     })
 }
 
-fn destroy_instance(parts: InstanceParts) {
-    // SAFETY: the instance and messenger are no longer used.
-    unsafe {
-        if let Some((loader, messenger)) = &parts.debug {
-            loader.destroy_debug_utils_messenger(*messenger, None);
-        }
-        parts.instance.destroy_instance(None);
-        if let Some(log) = parts.validation {
-            drop(Box::from_raw(log as *mut ValidationLog));
+impl Drop for InstanceParts {
+    fn drop(&mut self) {
+        // SAFETY: every object made from this instance (device, surfaces: none) is gone by now;
+        // the validation log is freed after the messenger that writes to it.
+        unsafe {
+            if let Some((loader, messenger)) = &self.debug {
+                loader.destroy_debug_utils_messenger(*messenger, None);
+            }
+            self.instance.destroy_instance(None);
+            if let Some(log) = self.validation.take() {
+                drop(Box::from_raw(log as *mut ValidationLog));
+            }
         }
     }
 }
@@ -1085,13 +1033,6 @@ impl Drop for Shared {
             self.device.destroy_pipeline_layout(self.pipeline_layout, None);
             self.device.destroy_descriptor_set_layout(self.set_layout, None);
             self.device.destroy_device(None);
-            if let Some((loader, messenger)) = &self.debug {
-                loader.destroy_debug_utils_messenger(*messenger, None);
-            }
-            self.instance.destroy_instance(None);
-            if let Some(log) = self.validation.take() {
-                drop(Box::from_raw(log as *mut ValidationLog));
-            }
         }
     }
 }
