@@ -1,11 +1,11 @@
 //! The CUDA backend: the same Slang kernels, emitted as CUDA C++ by `slangc -target cuda` and
 //! compiled at run time with NVRTC, driven through cudarc's dynamically loaded driver API.
 //!
-//! Launch ABI. Slang's CUDA output reads the bindless buffer array through a `__constant__`
-//! global, `SLANG_globalParams = { Array<RWByteAddressBuffer> storage_buffers }`, where
-//! `Array<T> = { T* data; size_t count }` and `RWByteAddressBuffer = { uint32_t* data; size_t
-//! sizeInBytes }`. We keep one device table of `{pointer, size}` records, one per buffer slot, and
-//! point each module's global at it once (again only if the table moves). Push constants are an
+//! Launch ABI. Slang's CUDA output reads the address table (shaders/common/storage.slang) through
+//! a `__constant__` global, `SLANG_globalParams = { StructuredBuffer<uint64_t> buffer_addresses }`,
+//! where `StructuredBuffer<T> = { T* data; size_t count }`. We keep one device table of addresses,
+//! one per buffer slot (0 for a free one), and point each module's global at it once (again only if
+//! the table moves). Push constants are an
 //! entry-point `uniform` parameter in every kernel, which Slang emits as a by-value kernel
 //! argument, so a launch is a plain `cuLaunchKernel` with no per-launch copy.
 //! One stream per backend; events time the GPU work.
@@ -27,8 +27,10 @@ use crate::kernels::KERNEL_FILES;
 pub const DEVICE_ENV: &str = "MAMBA_CUDA_DEVICE";
 /// Upper bound on live buffers (slots in the device buffer table).
 const MAX_SLOTS: u32 = 16384;
-/// Bytes of one `RWByteAddressBuffer` record: a pointer and a size.
-const RECORD_BYTES: usize = 16;
+/// Bytes of one table record: a device address.
+const RECORD_BYTES: usize = 8;
+/// Bytes of `SLANG_globalParams`: the table's `{pointer, count}`.
+const GLOBALS_BYTES: usize = 16;
 
 fn driver_error(call: &'static str, status: cu::CUresult) -> Error {
     let mut text: *const std::ffi::c_char = std::ptr::null();
@@ -288,9 +290,9 @@ impl CudaShared {
         check("cuModuleGetGlobal(SLANG_globalParams)", unsafe {
             cu::cuModuleGetGlobal_v2(&mut globals, &mut size, module, c"SLANG_globalParams".as_ptr())
         })?;
-        if size != RECORD_BYTES {
+        if size != GLOBALS_BYTES {
             return Err(Error::Dispatch(format!(
-                "{}: SLANG_globalParams is {size} bytes; expected the buffer array alone ({RECORD_BYTES})",
+                "{}: SLANG_globalParams is {size} bytes; expected the address table alone ({GLOBALS_BYTES})",
                 file.name
             )));
         }
@@ -308,14 +310,14 @@ impl CudaShared {
         let record: [u64; 2] = [table, u64::from(MAX_SLOTS)];
         // SAFETY: a 16-byte __constant__ global; the stream is idle (every call synchronises).
         check("cuMemcpyHtoD(SLANG_globalParams)", unsafe {
-            cu::cuMemcpyHtoD_v2(loaded.globals, record.as_ptr() as *const c_void, RECORD_BYTES)
+            cu::cuMemcpyHtoD_v2(loaded.globals, record.as_ptr() as *const c_void, GLOBALS_BYTES)
         })?;
         loaded.table_generation = generation;
         Ok(())
     }
 
-    fn write_record(&self, state: &CudaState, slot: u32, pointer: u64, bytes: u64) -> Result<()> {
-        let record: [u64; 2] = [pointer, bytes];
+    fn write_record(&self, state: &CudaState, slot: u32, pointer: u64) -> Result<()> {
+        let record: [u64; 1] = [pointer];
         // SAFETY: the slot is below MAX_SLOTS, so the record lies inside the table.
         check("cuMemcpyHtoD(buffer table)", unsafe {
             cu::cuMemcpyHtoD_v2(
@@ -431,7 +433,7 @@ impl SlotOwner for CudaShared {
     fn release(&self, slot: u32) {
         let Ok(mut state) = self.lock() else { return };
         if let Some((pointer, _)) = state.buffers.get_mut(slot as usize).and_then(Option::take) {
-            let _ = self.write_record(&state, slot, 0, 0);
+            let _ = self.write_record(&state, slot, 0);
             // SAFETY: no pending work uses the buffer (every call synchronises).
             unsafe { cu::cuMemFree_v2(pointer) };
             state.free_slots.push(slot);
@@ -501,7 +503,7 @@ impl Gpu for CudaGpu {
             state.free_slots.push(slot);
             return Err(Error::Allocation { bytes, reason: driver_error("cuMemAlloc", status).to_string() });
         }
-        if let Err(e) = shared.write_record(&state, slot, pointer, bytes) {
+        if let Err(e) = shared.write_record(&state, slot, pointer) {
             unsafe { cu::cuMemFree_v2(pointer) };
             state.free_slots.push(slot);
             return Err(e);

@@ -1,7 +1,13 @@
-//! The Vulkan backend: `ash` loaded at run time, `gpu-allocator` for memory, one bindless
-//! descriptor set (a variable-count, update-after-bind, partially-bound array of storage buffers),
-//! one pipeline layout for every kernel, a persisted pipeline cache, batched recording with
-//! barriers, and timestamp queries. Every call is synchronous: it submits and waits.
+//! The Vulkan backend: `ash` loaded at run time, `gpu-allocator` for memory, bindless buffers
+//! through buffer device addresses (one storage buffer, the address table, holds the device
+//! address of every live buffer slot; kernels index it with the slots in their push constants and
+//! access memory through the pointers), one pipeline layout for every kernel, a persisted pipeline
+//! cache, batched recording with barriers, and timestamp queries. Every call is synchronous: it
+//! submits and waits.
+//!
+//! Why addresses rather than a descriptor array of storage buffers: on NVIDIA the compiled kernels
+//! re-fetched an indexed descriptor before most accesses and bounds-checked each one, and ran 2-6x
+//! slower than the same kernels through CUDA (docs/PERFORMANCE.md, run 6).
 
 pub mod pipeline_cache;
 
@@ -30,9 +36,12 @@ pub const PIPELINE_STATS_ENV: &str = "MAMBA_VK_PIPELINE_STATS";
 /// A directory: with MAMBA_VK_PIPELINE_STATS=1, also write the driver's internal representations
 /// of each pipeline (on NVIDIA, the machine code) there, one text file per kernel and stage.
 pub const PIPELINE_IR_ENV: &str = "MAMBA_VK_PIPELINE_IR_DIR";
+/// A directory: write each pipeline alone in a fresh pipeline cache's data there (`<kernel>.bin`),
+/// for disassembling the driver's machine code where it offers no text representation (NVIDIA).
+pub const PIPELINE_BINARY_ENV: &str = "MAMBA_VK_PIPELINE_BINARY_DIR";
 
 const VALIDATION_LAYER: &CStr = c"VK_LAYER_KHRONOS_validation";
-/// Upper bound on live buffers (bindless slots).
+/// Live buffers at most (slots in the address table).
 const MAX_SLOTS: u32 = 16384;
 
 fn vk_error(call: &'static str) -> impl Fn(vk::Result) -> Error {
@@ -101,8 +110,13 @@ struct State {
     fence: vk::Fence,
     query_pool: vk::QueryPool,
     query_capacity: u32,
-    placeholder: vk::Buffer,
-    placeholder_allocation: Option<Allocation>,
+    /// The address table: `MAX_SLOTS` device addresses, 0 for a free slot.
+    table: vk::Buffer,
+    table_allocation: Option<Allocation>,
+    /// Table entries written on the host and not yet copied to the device (the next submission
+    /// records them first), and whether the table still needs its initial clear.
+    pending_addresses: Vec<(u32, u64)>,
+    table_cleared: bool,
 }
 
 struct Shared {
@@ -112,7 +126,6 @@ struct Shared {
     statistics: Option<ash::khr::pipeline_executable_properties::Device>,
     is_cpu: bool,
     max_buffer_bytes: u64,
-    slot_capacity: u32,
     timestamp_period_ns: f64,
     timestamp_mask: u64,
     set_layout: vk::DescriptorSetLayout,
@@ -277,13 +290,14 @@ fn create_instance(validation: bool) -> Result<InstanceParts> {
     Ok(InstanceParts { _entry: entry, instance, debug, validation: log_ptr })
 }
 
-fn required_features_missing(f12: &vk::PhysicalDeviceVulkan12Features<'_>) -> Vec<String> {
+fn required_features_missing(
+    features: &vk::PhysicalDeviceFeatures,
+    f12: &vk::PhysicalDeviceVulkan12Features<'_>,
+) -> Vec<String> {
     let mut missing = Vec::new();
     let checks = [
-        (f12.runtime_descriptor_array, "runtimeDescriptorArray"),
-        (f12.descriptor_binding_partially_bound, "descriptorBindingPartiallyBound"),
-        (f12.descriptor_binding_variable_descriptor_count, "descriptorBindingVariableDescriptorCount"),
-        (f12.descriptor_binding_storage_buffer_update_after_bind, "descriptorBindingStorageBufferUpdateAfterBind"),
+        (f12.buffer_device_address, "bufferDeviceAddress"),
+        (features.shader_int64, "shaderInt64"),
     ];
     for (value, name) in checks {
         if value == vk::FALSE {
@@ -310,7 +324,8 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
             let mut f12 = vk::PhysicalDeviceVulkan12Features::default();
             let mut features2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut f12);
             unsafe { instance.get_physical_device_features2(physical, &mut features2) };
-            missing.extend(required_features_missing(&f12));
+            let core = features2.features;
+            missing.extend(required_features_missing(&core, &f12));
         }
         let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
         let queue_family = families
@@ -450,12 +465,19 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
     // pointers outlive the calls.
     let properties = unsafe { instance.get_physical_device_properties(physical) };
     let families = unsafe { instance.get_physical_device_queue_family_properties(physical) };
-    let mut descriptor_indexing = vk::PhysicalDeviceDescriptorIndexingProperties::default();
-    let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut descriptor_indexing);
+    // Kernels index tensors with 32-bit element offsets and the CUDA backend shares that limit;
+    // the device's own buffer and allocation limits apply as well.
+    let mut maintenance3 = vk::PhysicalDeviceMaintenance3Properties::default();
+    let mut maintenance4 = vk::PhysicalDeviceMaintenance4Properties::default();
+    let mut properties2 = vk::PhysicalDeviceProperties2::default().push_next(&mut maintenance3);
+    if properties.api_version >= vk::API_VERSION_1_3 {
+        properties2 = properties2.push_next(&mut maintenance4);
+    }
     unsafe { instance.get_physical_device_properties2(physical, &mut properties2) };
-    let slot_capacity = MAX_SLOTS
-        .min(descriptor_indexing.max_descriptor_set_update_after_bind_storage_buffers)
-        .min(descriptor_indexing.max_per_stage_descriptor_update_after_bind_storage_buffers);
+    let mut max_buffer_bytes = (u64::from(u32::MAX) - 15).min(maintenance3.max_memory_allocation_size);
+    if properties.api_version >= vk::API_VERSION_1_3 {
+        max_buffer_bytes = max_buffer_bytes.min(maintenance4.max_buffer_size);
+    }
 
     let device_extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(physical) }
         .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
@@ -476,33 +498,25 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
     let priorities = [1.0f32];
     let queue_info =
         [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
-    let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
-        .runtime_descriptor_array(true)
-        .descriptor_binding_partially_bound(true)
-        .descriptor_binding_variable_descriptor_count(true)
-        .descriptor_binding_storage_buffer_update_after_bind(true);
+    let mut f12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
+    let core_features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
     let mut device_info = vk::DeviceCreateInfo::default()
         .queue_create_infos(&queue_info)
         .enabled_extension_names(&extensions)
+        .enabled_features(&core_features)
         .push_next(&mut f12);
     if pipeline_stats {
         device_info = device_info.push_next(&mut executable_properties);
     }
     let device = unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
     let build = || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
-        let binding_flags = [vk::DescriptorBindingFlags::PARTIALLY_BOUND
-            | vk::DescriptorBindingFlags::VARIABLE_DESCRIPTOR_COUNT
-            | vk::DescriptorBindingFlags::UPDATE_AFTER_BIND];
-        let mut flags_info = vk::DescriptorSetLayoutBindingFlagsCreateInfo::default().binding_flags(&binding_flags);
+        // One binding: the address table, read-only in every kernel.
         let bindings = [vk::DescriptorSetLayoutBinding::default()
             .binding(0)
             .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-            .descriptor_count(slot_capacity)
+            .descriptor_count(1)
             .stage_flags(vk::ShaderStageFlags::COMPUTE)];
-        let layout_info = vk::DescriptorSetLayoutCreateInfo::default()
-            .bindings(&bindings)
-            .flags(vk::DescriptorSetLayoutCreateFlags::UPDATE_AFTER_BIND_POOL)
-            .push_next(&mut flags_info);
+        let layout_info = vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings);
         let set_layout = unsafe { device.create_descriptor_set_layout(&layout_info, None) }
             .map_err(vk_error("vkCreateDescriptorSetLayout"))?;
         let ranges = [vk::PushConstantRange::default()
@@ -514,20 +528,11 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
             vk::PipelineLayoutCreateInfo::default().set_layouts(&set_layouts).push_constant_ranges(&ranges);
         let pipeline_layout = unsafe { device.create_pipeline_layout(&pipeline_layout_info, None) }
             .map_err(vk_error("vkCreatePipelineLayout"))?;
-        let pool_sizes =
-            [vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(slot_capacity)];
-        let pool_info = vk::DescriptorPoolCreateInfo::default()
-            .pool_sizes(&pool_sizes)
-            .max_sets(1)
-            .flags(vk::DescriptorPoolCreateFlags::UPDATE_AFTER_BIND);
+        let pool_sizes = [vk::DescriptorPoolSize::default().ty(vk::DescriptorType::STORAGE_BUFFER).descriptor_count(1)];
+        let pool_info = vk::DescriptorPoolCreateInfo::default().pool_sizes(&pool_sizes).max_sets(1);
         let descriptor_pool =
             unsafe { device.create_descriptor_pool(&pool_info, None) }.map_err(vk_error("vkCreateDescriptorPool"))?;
-        let counts = [slot_capacity];
-        let mut variable = vk::DescriptorSetVariableDescriptorCountAllocateInfo::default().descriptor_counts(&counts);
-        let allocate = vk::DescriptorSetAllocateInfo::default()
-            .descriptor_pool(descriptor_pool)
-            .set_layouts(&set_layouts)
-            .push_next(&mut variable);
+        let allocate = vk::DescriptorSetAllocateInfo::default().descriptor_pool(descriptor_pool).set_layouts(&set_layouts);
         let descriptor_set =
             unsafe { device.allocate_descriptor_sets(&allocate) }.map_err(vk_error("vkAllocateDescriptorSets"))?[0];
         Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
@@ -544,7 +549,7 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         device: device.clone(),
         physical_device: physical,
         debug_settings: Default::default(),
-        buffer_device_address: false,
+        buffer_device_address: true,
         allocation_sizes: Default::default(),
     })
     .map_err(|e| Error::Allocation { bytes: 0, reason: format!("creating the allocator: {e}") })?;
@@ -592,7 +597,6 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         chosen.report.driver
     );
     let is_cpu = chosen.device_type == vk::PhysicalDeviceType::CPU;
-    let max_buffer_bytes = u64::from(properties.limits.max_storage_buffer_range).min(u64::from(u32::MAX) - 15);
     let timestamp_bits = families[queue_family as usize].timestamp_valid_bits;
     let timestamp_mask = if timestamp_bits >= 64 { u64::MAX } else { (1u64 << timestamp_bits) - 1 };
     let timestamp_period_ns = f64::from(properties.limits.timestamp_period);
@@ -610,13 +614,25 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         fence,
         query_pool: vk::QueryPool::null(),
         query_capacity: 0,
-        placeholder: vk::Buffer::null(),
-        placeholder_allocation: None,
+        table: vk::Buffer::null(),
+        table_allocation: None,
+        pending_addresses: Vec::new(),
+        table_cleared: false,
     };
-    let (placeholder, placeholder_allocation) =
-        create_buffer(&device, &mut state.allocator, 16, MemoryLocation::GpuOnly, "placeholder")?;
-    state.placeholder = placeholder;
-    state.placeholder_allocation = Some(placeholder_allocation);
+    let table_bytes = u64::from(MAX_SLOTS) * 8;
+    let (table, table_allocation) =
+        create_buffer(&device, &mut state.allocator, table_bytes, MemoryLocation::GpuOnly, "address table")?;
+    state.table = table;
+    state.table_allocation = Some(table_allocation);
+    let table_info = [vk::DescriptorBufferInfo::default().buffer(table).offset(0).range(table_bytes)];
+    let write = vk::WriteDescriptorSet::default()
+        .dst_set(descriptor_set)
+        .dst_binding(0)
+        .dst_array_element(0)
+        .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+        .buffer_info(&table_info);
+    // SAFETY: a fresh set that no command buffer uses yet.
+    unsafe { device.update_descriptor_sets(&[write], &[]) };
     Ok(Shared {
         device,
         queue,
@@ -624,7 +640,6 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         statistics,
         is_cpu,
         max_buffer_bytes,
-        slot_capacity,
         timestamp_period_ns,
         timestamp_mask,
         set_layout,
@@ -665,6 +680,7 @@ fn create_buffer(
         .size(bytes)
         .usage(
             vk::BufferUsageFlags::STORAGE_BUFFER
+                | vk::BufferUsageFlags::SHADER_DEVICE_ADDRESS
                 | vk::BufferUsageFlags::TRANSFER_SRC
                 | vk::BufferUsageFlags::TRANSFER_DST,
         )
@@ -704,16 +720,61 @@ impl Shared {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn write_descriptor(&self, slot: u32, buffer: vk::Buffer, bytes: u64) {
-        let info = [vk::DescriptorBufferInfo::default().buffer(buffer).offset(0).range(bytes)];
-        let write = vk::WriteDescriptorSet::default()
-            .dst_set(self.descriptor_set)
-            .dst_binding(0)
-            .dst_array_element(slot)
-            .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
-            .buffer_info(&info);
-        // SAFETY: the set is not in use by pending work (every submission is waited for under the lock).
-        unsafe { self.device.update_descriptor_sets(&[write], &[]) };
+    /// Records the address-table writes made since the last submission (and the table's first
+    /// clear) at the head of a command buffer, with the barrier that makes them visible to kernels.
+    fn record_table_updates(&self, state: &mut State, cb: vk::CommandBuffer) {
+        if state.table_cleared && state.pending_addresses.is_empty() {
+            return;
+        }
+        // SAFETY: recording state; the table is idle (every submission is waited for).
+        unsafe {
+            if !state.table_cleared {
+                self.device.cmd_fill_buffer(cb, state.table, 0, vk::WHOLE_SIZE, 0);
+                state.table_cleared = true;
+                let order = [vk::MemoryBarrier::default()
+                    .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE)];
+                self.device.cmd_pipeline_barrier(
+                    cb,
+                    vk::PipelineStageFlags::TRANSFER,
+                    vk::PipelineStageFlags::TRANSFER,
+                    vk::DependencyFlags::empty(),
+                    &order,
+                    &[],
+                    &[],
+                );
+            }
+            // Later writes to a slot win: apply them in order, coalescing neighbours.
+            let mut entries: Vec<(u32, u64)> = Vec::new();
+            for &(slot, address) in &state.pending_addresses {
+                entries.retain(|&(s, _)| s != slot);
+                entries.push((slot, address));
+            }
+            entries.sort_by_key(|&(slot, _)| slot);
+            let mut i = 0;
+            while i < entries.len() {
+                let mut j = i + 1;
+                while j < entries.len() && entries[j].0 == entries[j - 1].0 + 1 && j - i < 8192 {
+                    j += 1;
+                }
+                let words: Vec<u64> = entries[i..j].iter().map(|&(_, a)| a).collect();
+                self.device.cmd_update_buffer(cb, state.table, u64::from(entries[i].0) * 8, bytemuck::cast_slice(&words));
+                i = j;
+            }
+            state.pending_addresses.clear();
+            let visible = [vk::MemoryBarrier::default()
+                .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
+                .dst_access_mask(vk::AccessFlags::SHADER_READ)];
+            self.device.cmd_pipeline_barrier(
+                cb,
+                vk::PipelineStageFlags::TRANSFER,
+                vk::PipelineStageFlags::COMPUTE_SHADER,
+                vk::DependencyFlags::empty(),
+                &visible,
+                &[],
+                &[],
+            );
+        }
     }
 
     fn pipeline(&self, state: &mut State, kernel: KernelRef) -> Result<vk::Pipeline> {
@@ -762,9 +823,32 @@ impl Shared {
                 dump_internal_representations(&self.device, loader, pipeline, &kernel.label(), dir);
             }
         }
+        if let Some(dir) = std::env::var_os(PIPELINE_BINARY_ENV) {
+            self.dump_pipeline_binary(&info, &kernel.label(), std::path::Path::new(&dir));
+        }
         state.pipelines.insert(kernel, pipeline);
         state.cache_dirty = true;
         Ok(pipeline)
+    }
+
+    /// Builds the pipeline again into an empty cache and writes that cache's data to `dir`.
+    fn dump_pipeline_binary(&self, info: &[vk::ComputePipelineCreateInfo<'_>], label: &str, dir: &std::path::Path) {
+        let _ = std::fs::create_dir_all(dir);
+        // SAFETY: a fresh cache and pipeline, destroyed before returning; `info` is valid.
+        unsafe {
+            let Ok(cache) = self.device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None) else {
+                return;
+            };
+            if let Ok(pipelines) = self.device.create_compute_pipelines(cache, info, None) {
+                if let Ok(blob) = self.device.get_pipeline_cache_data(cache) {
+                    let _ = std::fs::write(dir.join(format!("{}.bin", label.replace("::", "."))), blob);
+                }
+                for p in pipelines {
+                    self.device.destroy_pipeline(p, None);
+                }
+            }
+            self.device.destroy_pipeline_cache(cache, None);
+        }
     }
 
     /// Writes the pipeline cache back to disk if new pipelines were made. Failures are ignored:
@@ -811,6 +895,7 @@ impl Shared {
                     &vk::CommandBufferBeginInfo::default().flags(vk::CommandBufferUsageFlags::ONE_TIME_SUBMIT),
                 )
                 .map_err(vk_error("vkBeginCommandBuffer"))?;
+            self.record_table_updates(state, cb);
             record(&self.device, cb);
             // Make every device write visible to the host before the fence signals.
             let to_host = [vk::MemoryBarrier::default()
@@ -990,8 +1075,8 @@ impl SlotOwner for Shared {
     fn release(&self, slot: u32) {
         let mut state = self.lock();
         if let Some(entry) = state.buffers.get_mut(slot as usize).and_then(Option::take) {
-            // Point the slot at the placeholder so no descriptor names a destroyed buffer.
-            self.write_descriptor(slot, state.placeholder, 16);
+            // A freed slot reads as a null address, never a destroyed buffer's.
+            state.pending_addresses.push((slot, 0));
             // SAFETY: no pending work (submissions are waited for under the lock).
             unsafe { self.device.destroy_buffer(entry.buffer, None) };
             let _ = state.allocator.free(entry.allocation);
@@ -1019,8 +1104,8 @@ impl Drop for Shared {
                 self.device.destroy_buffer(entry.buffer, None);
                 let _ = state.allocator.free(entry.allocation);
             }
-            self.device.destroy_buffer(state.placeholder, None);
-            if let Some(allocation) = state.placeholder_allocation.take() {
+            self.device.destroy_buffer(state.table, None);
+            if let Some(allocation) = state.table_allocation.take() {
                 let _ = state.allocator.free(allocation);
             }
             if state.query_pool != vk::QueryPool::null() {
@@ -1060,7 +1145,7 @@ impl Gpu for VulkanGpu {
         if bytes > shared.max_buffer_bytes {
             return Err(Error::Allocation {
                 bytes,
-                reason: format!("over the device's storage-buffer limit of {} bytes", shared.max_buffer_bytes),
+                reason: format!("over the device's buffer limit of {} bytes", shared.max_buffer_bytes),
             });
         }
         let mut state = shared.lock();
@@ -1068,7 +1153,7 @@ impl Gpu for VulkanGpu {
             Some(slot) => slot,
             None => {
                 let next = state.buffers.len() as u32;
-                let capacity = shared.slot_capacity;
+                let capacity = MAX_SLOTS;
                 if next >= capacity {
                     return Err(Error::Allocation { bytes, reason: format!("all {capacity} buffer slots are in use") });
                 }
@@ -1085,7 +1170,10 @@ impl Gpu for VulkanGpu {
                     return Err(e);
                 }
             };
-        shared.write_descriptor(slot, buffer, bytes);
+        // SAFETY: the buffer was made with SHADER_DEVICE_ADDRESS usage and is bound to memory.
+        let address =
+            unsafe { shared.device.get_buffer_device_address(&vk::BufferDeviceAddressInfo::default().buffer(buffer)) };
+        state.pending_addresses.push((slot, address));
         state.buffers[slot as usize] = Some(BufferEntry { buffer, allocation });
         Ok(GpuBuffer::new(slot, elements, shared.clone()))
     }
