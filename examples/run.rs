@@ -242,6 +242,16 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
         );
         if detail && prepared.recorded.dispatches.len() > 1 {
             gpu.run(&prepared.recorded.dispatches)?;
+            // Each dispatch alone, then the list cut after each dispatch: a dispatch that costs
+            // more inside the sequence than alone shows up as a larger step between prefixes.
+            let all = &prepared.recorded.dispatches;
+            let mut previous = 0.0;
+            for count in 1..all.len() {
+                let mut times = gpu.time(&all[..count], repeats)?;
+                let prefix = median(&mut times) * 1e6;
+                println!("|   first {count} dispatches | {prefix:.1} (+{:.1}) | | | | |", prefix - previous);
+                previous = prefix;
+            }
             for dispatch in &prepared.recorded.dispatches {
                 let mut times = gpu.time(std::slice::from_ref(dispatch), repeats)?;
                 println!(

@@ -3,7 +3,8 @@
 # scripts/build-gpu-bundle.sh) and .gl/ carried. Builds nothing. Prints: the devices, the parity
 # suite on Vulkan (NVIDIA driver) and CUDA, the largest difference between the two backends per op,
 # the CUDA cold and warm start, and the benchmark tables. Logs go to $OUT when it is set.
-#   usage: scripts/gpu-check.sh [suite] [compare] [bench] [sanitize]   (default: all but sanitize)
+#   usage: scripts/gpu-check.sh [suite] [compare] [bench] [sanitize] [sass] [ir]
+#   (default: suite compare bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 steps="${*:-suite compare bench}"
@@ -40,11 +41,24 @@ for step in $steps; do
       MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup
       MAMBA_CACHE_DIR=/tmp/mamba-cache-cold "$run" startup ;;
     bench)
+      nvidia-smi --query-gpu=clocks.sm,clocks.mem,utilization.gpu,pstate --format=csv,noheader -lms 250 >"$out/clocks.log" 2>&1 &
+      dmon=$!
       echo "== bench: Vulkan (with the driver's pipeline statistics) =="
       MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan --repeats 20 --detail
       echo "== bench: CUDA =="
       "$run" bench --backend cuda --repeats 20 --detail
+      kill "$dmon" 2>/dev/null
+      echo "== clocks during the bench (sm, memory, utilisation, p-state; samples every 250 ms) =="
+      sort "$out/clocks.log" | uniq -c | sort -rn | head -8
       "$run" startup ;;
+    sass)
+      echo "== Vulkan pipelines' machine code, from pipeline-cache blobs =="
+      rm -rf /tmp/vkbin /tmp/vksass && mkdir -p /tmp/vkbin /tmp/vksass
+      MAMBA_VK_PIPELINE_BINARY_DIR=/tmp/vkbin MAMBA_CACHE_DIR=/tmp/mamba-cache-sass "$run" bench --backend vulkan --repeats 1 >/dev/null 2>&1
+      # Disassembled afterwards on the build machine: scripts/vk-sass.py needs zstandard.
+      "$run" bench --backend cuda --repeats 1 >/dev/null 2>&1
+      for c in "$MAMBA_CACHE_DIR"/cuda/*.cubin; do cuobjdump -sass "$c" > "/tmp/vksass/cuda.$(basename "$c").sass" 2>&1; done
+      tar -C /tmp -cJf "$out/sass.tar.xz" vkbin vksass && ls -la "$out/sass.tar.xz" ;;
     ir)
       echo "== machine code: Vulkan pipelines (driver internal representations) and CUDA cubins =="
       rm -rf /tmp/ir && mkdir -p /tmp/ir/vulkan /tmp/ir/cuda
