@@ -242,7 +242,7 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
         );
         if detail && prepared.recorded.dispatches.len() > 1 {
             gpu.run(&prepared.recorded.dispatches)?;
-            // Each dispatch alone, then the list cut after each dispatch: a dispatch that costs
+            // The list cut after each dispatch, then each dispatch alone: a dispatch that costs
             // more inside the sequence than alone shows up as a larger step between prefixes.
             let all = &prepared.recorded.dispatches;
             let mut previous = 0.0;

@@ -5,9 +5,9 @@
 //! a `__constant__` global, `SLANG_globalParams = { StructuredBuffer<uint64_t> buffer_addresses }`,
 //! where `StructuredBuffer<T> = { T* data; size_t count }`. We keep one device table of addresses,
 //! one per buffer slot (0 for a free one), and point each module's global at it once (again only if
-//! the table moves). Push constants are an
-//! entry-point `uniform` parameter in every kernel, which Slang emits as a by-value kernel
-//! argument, so a launch is a plain `cuLaunchKernel` with no per-launch copy.
+//! the table moves). Push constants are an entry-point `uniform` parameter in every kernel, which
+//! Slang emits as a by-value kernel argument, so a launch is a plain `cuLaunchKernel` with no
+//! per-launch copy.
 //! One stream per backend; events time the GPU work.
 
 pub mod compile;

@@ -731,48 +731,29 @@ impl Shared {
             if !state.table_cleared {
                 self.device.cmd_fill_buffer(cb, state.table, 0, vk::WHOLE_SIZE, 0);
                 state.table_cleared = true;
-                let order = [vk::MemoryBarrier::default()
-                    .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                    .dst_access_mask(vk::AccessFlags::TRANSFER_WRITE)];
-                self.device.cmd_pipeline_barrier(
-                    cb,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::PipelineStageFlags::TRANSFER,
-                    vk::DependencyFlags::empty(),
-                    &order,
-                    &[],
-                    &[],
-                );
+                let transfer = (vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE);
+                memory_barrier(&self.device, cb, transfer, transfer);
             }
-            // Later writes to a slot win: apply them in order, coalescing neighbours.
-            let mut entries: Vec<(u32, u64)> = Vec::new();
-            for &(slot, address) in &state.pending_addresses {
-                entries.retain(|&(s, _)| s != slot);
-                entries.push((slot, address));
-            }
-            entries.sort_by_key(|&(slot, _)| slot);
+            // A later write to a slot wins (the map keeps the last); runs of neighbouring slots go
+            // in one update of at most 64 KiB, vkCmdUpdateBuffer's limit.
+            const MAX_UPDATE_WORDS: usize = 65536 / 8;
+            let entries: Vec<(u32, u64)> =
+                state.pending_addresses.drain(..).collect::<std::collections::BTreeMap<_, _>>().into_iter().collect();
             let mut i = 0;
             while i < entries.len() {
                 let mut j = i + 1;
-                while j < entries.len() && entries[j].0 == entries[j - 1].0 + 1 && j - i < 8192 {
+                while j < entries.len() && entries[j].0 == entries[j - 1].0 + 1 && j - i < MAX_UPDATE_WORDS {
                     j += 1;
                 }
                 let words: Vec<u64> = entries[i..j].iter().map(|&(_, a)| a).collect();
                 self.device.cmd_update_buffer(cb, state.table, u64::from(entries[i].0) * 8, bytemuck::cast_slice(&words));
                 i = j;
             }
-            state.pending_addresses.clear();
-            let visible = [vk::MemoryBarrier::default()
-                .src_access_mask(vk::AccessFlags::TRANSFER_WRITE)
-                .dst_access_mask(vk::AccessFlags::SHADER_READ)];
-            self.device.cmd_pipeline_barrier(
+            memory_barrier(
+                &self.device,
                 cb,
-                vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::COMPUTE_SHADER,
-                vk::DependencyFlags::empty(),
-                &visible,
-                &[],
-                &[],
+                (vk::PipelineStageFlags::TRANSFER, vk::AccessFlags::TRANSFER_WRITE),
+                (vk::PipelineStageFlags::COMPUTE_SHADER, vk::AccessFlags::SHADER_READ),
             );
         }
     }
@@ -898,17 +879,14 @@ impl Shared {
             self.record_table_updates(state, cb);
             record(&self.device, cb);
             // Make every device write visible to the host before the fence signals.
-            let to_host = [vk::MemoryBarrier::default()
-                .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE)
-                .dst_access_mask(vk::AccessFlags::HOST_READ)];
-            self.device.cmd_pipeline_barrier(
+            memory_barrier(
+                &self.device,
                 cb,
-                vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
-                vk::PipelineStageFlags::HOST,
-                vk::DependencyFlags::empty(),
-                &to_host,
-                &[],
-                &[],
+                (
+                    vk::PipelineStageFlags::COMPUTE_SHADER | vk::PipelineStageFlags::TRANSFER,
+                    vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::TRANSFER_WRITE,
+                ),
+                (vk::PipelineStageFlags::HOST, vk::AccessFlags::HOST_READ),
             );
             self.device.end_command_buffer(cb).map_err(vk_error("vkEndCommandBuffer"))?;
             let buffers = [cb];
@@ -1053,22 +1031,22 @@ fn dump_internal_representations(
     }
 }
 
-fn compute_barrier(device: &ash::Device, cb: vk::CommandBuffer) {
-    let barrier = [vk::MemoryBarrier::default()
-        .src_access_mask(vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ)
-        .dst_access_mask(vk::AccessFlags::SHADER_READ | vk::AccessFlags::SHADER_WRITE)];
+/// One global memory barrier: `src` writes in `src_stage` made visible to `dst` in `dst_stage`.
+fn memory_barrier(
+    device: &ash::Device,
+    cb: vk::CommandBuffer,
+    (src_stage, src): (vk::PipelineStageFlags, vk::AccessFlags),
+    (dst_stage, dst): (vk::PipelineStageFlags, vk::AccessFlags),
+) {
+    let barrier = [vk::MemoryBarrier::default().src_access_mask(src).dst_access_mask(dst)];
     // SAFETY: recording state.
-    unsafe {
-        device.cmd_pipeline_barrier(
-            cb,
-            vk::PipelineStageFlags::COMPUTE_SHADER,
-            vk::PipelineStageFlags::COMPUTE_SHADER,
-            vk::DependencyFlags::empty(),
-            &barrier,
-            &[],
-            &[],
-        )
-    };
+    unsafe { device.cmd_pipeline_barrier(cb, src_stage, dst_stage, vk::DependencyFlags::empty(), &barrier, &[], &[]) };
+}
+
+fn compute_barrier(device: &ash::Device, cb: vk::CommandBuffer) {
+    let shader = vk::AccessFlags::SHADER_WRITE | vk::AccessFlags::SHADER_READ;
+    let stage = vk::PipelineStageFlags::COMPUTE_SHADER;
+    memory_barrier(device, cb, (stage, shader), (stage, shader));
 }
 
 impl SlotOwner for Shared {
