@@ -20,7 +20,6 @@ fn main() {
 
     let slangc = find_slangc(&root).unwrap_or_else(|| panic!("{SLANGC_HELP}"));
     println!("cargo:rerun-if-env-changed=SPIRV_OPT");
-    println!("cargo:rerun-if-env-changed=MAMBA_SPIRV_MEMORY_MODEL");
     let spirv_opt = find_spirv_opt(&root);
     if spirv_opt.is_none() {
         println!(
@@ -94,7 +93,6 @@ fn main() {
                     .arg(source)
                     .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
                     .args(["-entry", name, "-stage", "compute"])
-                    .args(memory_model_args())
                     .args(["-warnings-disable", "41012,29116"])
                     .arg("-I")
                     .arg(&common_dir)
@@ -109,8 +107,6 @@ fn main() {
                 optimise_spirv(optimiser, &entry_spv, source);
                 words = std::fs::read(&entry_spv).expect("spirv-opt wrote the SPIR-V");
             }
-            mark_workgroup_accesses_non_private(&mut words);
-            std::fs::write(&entry_spv, &words).expect("write SPIR-V");
             set_hash.write(&words);
         }
         let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
@@ -229,78 +225,6 @@ fn read_depfile(path: &Path) -> Vec<PathBuf> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let joined = text.replace("\\\n", " ");
     joined.split_once(':').map(|(_, deps)| deps.split_whitespace().map(PathBuf::from).collect()).unwrap_or_default()
-}
-
-/// The Vulkan memory model (`MAMBA_SPIRV_MEMORY_MODEL=glsl450` at build time selects the older
-/// GLSL450 model, for comparison). Under GLSL450 NVIDIA's driver makes every storage access a strong
-/// (SM-coherent) load or store, which it will not batch; under the Vulkan model an access that is
-/// not marked non-private is private to the invocation and compiles to a plain load. No kernel
-/// shares device memory between invocations within a dispatch (only workgroup memory, behind
-/// barriers), so private accesses are exact; workgroup accesses are made non-private below.
-fn memory_model_args() -> Vec<&'static str> {
-    match std::env::var("MAMBA_SPIRV_MEMORY_MODEL").as_deref() {
-        Ok("glsl450") => vec![],
-        _ => vec!["-capability", "spvVulkanMemoryModelKHR"],
-    }
-}
-
-/// Adds the NonPrivatePointer memory operand to every load and store of workgroup memory, so that
-/// the barriers (acquire-release on workgroup memory) order them between invocations as the Vulkan
-/// memory model requires; slangc emits those accesses without it. A no-op under GLSL450.
-fn mark_workgroup_accesses_non_private(words: &mut Vec<u8>) {
-    const OP_TYPE_POINTER: u32 = 32;
-    const OP_VARIABLE: u32 = 59;
-    const OP_LOAD: u32 = 61;
-    const OP_STORE: u32 = 62;
-    const OP_ACCESS_CHAIN: u32 = 65;
-    const OP_IN_BOUNDS_ACCESS_CHAIN: u32 = 66;
-    const OP_PTR_ACCESS_CHAIN: u32 = 67;
-    const OP_COPY_OBJECT: u32 = 83;
-    const OP_MEMORY_MODEL: u32 = 14;
-    const STORAGE_WORKGROUP: u32 = 4;
-    const MEMORY_MODEL_VULKAN: u32 = 3;
-    const NON_PRIVATE_POINTER: u32 = 0x20;
-    let mut code: Vec<u32> =
-        words.chunks_exact(4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
-    let mut workgroup_pointer_types = std::collections::HashSet::new();
-    let mut workgroup_pointers = std::collections::HashSet::new();
-    let mut vulkan_model = false;
-    let mut rewritten: Vec<u32> = code[..5].to_vec();
-    let mut i = 5;
-    while i < code.len() {
-        let length = (code[i] >> 16) as usize;
-        let opcode = code[i] & 0xffff;
-        assert!(length > 0 && i + length <= code.len(), "malformed SPIR-V from slangc");
-        let mut instruction = code[i..i + length].to_vec();
-        match opcode {
-            OP_MEMORY_MODEL => vulkan_model = instruction[2] == MEMORY_MODEL_VULKAN,
-            OP_TYPE_POINTER if instruction[2] == STORAGE_WORKGROUP => {
-                workgroup_pointer_types.insert(instruction[1]);
-            }
-            OP_VARIABLE | OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN | OP_PTR_ACCESS_CHAIN | OP_COPY_OBJECT => {
-                if workgroup_pointer_types.contains(&instruction[1]) {
-                    workgroup_pointers.insert(instruction[2]);
-                }
-            }
-            OP_LOAD | OP_STORE if vulkan_model => {
-                // OpLoad: type, result, pointer, [mask ...]; OpStore: pointer, object, [mask ...].
-                let (pointer, mask_at) = if opcode == OP_LOAD { (instruction[3], 4) } else { (instruction[1], 3) };
-                if workgroup_pointers.contains(&pointer) {
-                    if instruction.len() > mask_at {
-                        instruction[mask_at] |= NON_PRIVATE_POINTER;
-                    } else {
-                        instruction.push(NON_PRIVATE_POINTER);
-                    }
-                    instruction[0] = ((instruction.len() as u32) << 16) | opcode;
-                }
-            }
-            _ => {}
-        }
-        rewritten.extend_from_slice(&instruction);
-        i += length;
-    }
-    code = rewritten;
-    *words = code.iter().flat_map(|w| w.to_le_bytes()).collect();
 }
 
 /// Debian 12's validation layer and spirv-tools reject OpSource's language operand 11 (Slang),

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Parser, Subcommand};
+use mamba_kernels::gpu::{Dispatch, Gpu};
 use mamba_kernels::ops::{self, ExampleSize};
 use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{BackendKind, Device, Scalars, Tensor, TensorMap};
@@ -208,6 +209,14 @@ fn median(values: &mut [f64]) -> f64 {
     values[values.len() / 2]
 }
 
+/// GPU time of `dispatches`, median of `repeats`, after `gpu::warm_up` (an idle GPU runs short
+/// submissions at a fraction of its clock).
+fn timed(gpu: &dyn Gpu, dispatches: &[Dispatch], repeats: usize) -> Result<f64> {
+    mamba_kernels::gpu::warm_up(gpu, dispatches)?;
+    let mut times = gpu.time(dispatches, repeats)?;
+    Ok(median(&mut times))
+}
+
 fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail: bool) -> Result<()> {
     let device = open(backend)?;
     let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
@@ -225,9 +234,7 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
     for op in selected {
         let (inputs, scalars) = op.example(size, 1);
         let prepared = op.prepare(gpu, &inputs, &scalars)?;
-        gpu.time(&prepared.recorded.dispatches, 2)?;
-        let mut times = gpu.time(&prepared.recorded.dispatches, repeats)?;
-        let seconds = median(&mut times);
+        let seconds = timed(gpu, &prepared.recorded.dispatches, repeats)?;
         let rate = prepared.traffic_bytes as f64 / seconds;
         let flops =
             if prepared.flops > 0 { format!("{:.0}", prepared.flops as f64 / seconds / 1e9) } else { "-".into() };
@@ -247,19 +254,13 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
             let all = &prepared.recorded.dispatches;
             let mut previous = 0.0;
             for count in 1..all.len() {
-                let mut times = gpu.time(&all[..count], repeats)?;
-                let prefix = median(&mut times) * 1e6;
+                let prefix = timed(gpu, &all[..count], repeats)? * 1e6;
                 println!("|   first {count} dispatches | {prefix:.1} (+{:.1}) | | | | |", prefix - previous);
                 previous = prefix;
             }
             for dispatch in &prepared.recorded.dispatches {
-                let mut times = gpu.time(std::slice::from_ref(dispatch), repeats)?;
-                println!(
-                    "|   {} {:?} | {:.1} | | | | |",
-                    dispatch.kernel.label(),
-                    dispatch.groups,
-                    median(&mut times) * 1e6
-                );
+                let alone = timed(gpu, std::slice::from_ref(dispatch), repeats)?;
+                println!("|   {} {:?} | {:.1} | | | | |", dispatch.kernel.label(), dispatch.groups, alone * 1e6);
             }
         }
     }

@@ -182,6 +182,23 @@ pub fn copy_dispatch(source: &GpuBuffer, target: &GpuBuffer) -> Result<Dispatch>
     Dispatch::new(crate::kernels::copy::COPY_F32X4, [groups, 1, 1], &push)
 }
 
+/// How long `warm_up` keeps the GPU busy. An idle H200 drops its SM clock to 345 MHz and needs
+/// 0.1-0.3 s of load to return to 1980 MHz; measured cold, short Vulkan submissions ran 2-4x slow
+/// (docs/PERFORMANCE.md, run 8). A training loop keeps the clock up, so benchmarks warm up first.
+pub const WARM_UP_SECONDS: f64 = 0.3;
+
+/// Runs `dispatches` back to back, untimed, until they have kept the GPU busy for
+/// `WARM_UP_SECONDS` (in submissions of at most 1000 repetitions).
+pub fn warm_up(gpu: &dyn Gpu, dispatches: &[Dispatch]) -> Result<()> {
+    let mut busy = 0.0;
+    while busy < WARM_UP_SECONDS {
+        let once = gpu.time(dispatches, 1)?.iter().sum::<f64>().max(1e-6);
+        let repeats = ((WARM_UP_SECONDS - busy) / once).ceil().clamp(1.0, 1000.0) as usize;
+        busy += once + gpu.time(dispatches, repeats)?.iter().sum::<f64>();
+    }
+    Ok(())
+}
+
 /// Device-to-device copy bandwidth in bytes per second (read + written) through the shader cores:
 /// the ceiling memory-bound ops are measured against. Median of `repeats` timed copies.
 pub fn copy_bandwidth(gpu: &dyn Gpu, repeats: usize) -> Result<f64> {
@@ -191,7 +208,7 @@ pub fn copy_bandwidth(gpu: &dyn Gpu, repeats: usize) -> Result<f64> {
     let target = gpu.alloc(elements)?;
     gpu.upload(&source, &vec![1.0f32; elements])?;
     let copy = [copy_dispatch(&source, &target)?];
-    gpu.time(&copy, 2)?;
+    warm_up(gpu, &copy)?;
     let mut times = gpu.time(&copy, repeats.max(1))?;
     times.sort_by(|a, b| a.total_cmp(b));
     Ok(2.0 * (elements * 4) as f64 / times[times.len() / 2])

@@ -297,8 +297,6 @@ fn required_features_missing(
     let mut missing = Vec::new();
     let checks = [
         (f12.buffer_device_address, "bufferDeviceAddress"),
-        (f12.vulkan_memory_model, "vulkanMemoryModel"),
-        (f12.vulkan_memory_model_device_scope, "vulkanMemoryModelDeviceScope"),
         (features.shader_int64, "shaderInt64"),
     ];
     for (value, name) in checks {
@@ -500,11 +498,7 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
     let priorities = [1.0f32];
     let queue_info =
         [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
-    // The kernels are compiled for the Vulkan memory model (build.rs says why).
-    let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
-        .buffer_device_address(true)
-        .vulkan_memory_model(true)
-        .vulkan_memory_model_device_scope(true);
+    let mut f12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
     let core_features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
     let mut device_info = vk::DeviceCreateInfo::default()
         .queue_create_infos(&queue_info)
