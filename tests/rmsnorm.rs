@@ -7,14 +7,16 @@ use mamba_kernels::ops::rmsnorm::example_inputs;
 use mamba_kernels::{Device, Tensor};
 
 /// Every value of the matrix appears: rows {1, 7, 256, 1000}; widths {16, 64, 128, 300}
-/// plus widths past one lane stride (1536, 4099); widths that are and are not multiples of 4 (the
-/// float4 and scalar paths); weight on and off.
+/// plus widths past one lane stride (1536, 2048, 4099); widths that are and are not multiples of 4
+/// (the float4 and scalar paths); weight on and off. The backward keeps rows of up to 1536 floats
+/// (multiples of 4) in registers and reads longer ones twice: 1536 and 2048 sit either side.
 const CASES: &[(usize, usize, bool)] = &[
     (1, 16, true),
     (7, 64, false),
     (256, 128, true),
     (1000, 300, true),
-    (7, 1536, false),
+    (7, 1536, true),
+    (5, 2048, true),
     (3, 4099, true),
     (9, 33, true),
     (1000, 16, false),

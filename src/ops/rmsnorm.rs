@@ -38,6 +38,11 @@ pub struct RmsNormProblem {
     pub eps: f32,
 }
 
+/// Longest row (a multiple of 4) that `rmsnorm_bwd_resident` keeps in registers
+/// (4 * TEAM_LANES * RESIDENT_FLOAT4 in the shader); longer rows take `rmsnorm_bwd`, which reads
+/// each block twice. Both sum in the same order.
+const RESIDENT_ROW_FLOATS: usize = 1536;
+
 impl RmsNormProblem {
     /// Rows one backward workgroup handles (ROWS_PER_BLOCK in the shader): a constant, so the
     /// order in which the weight gradient is summed depends on the shape alone.
@@ -169,7 +174,12 @@ impl OpDef for RmsNormBwd {
         if p.has_weight {
             push.dweight_partial = recorded.scratch(gpu, Self::NAME, "dweight partials", blocks * p.n)?;
         }
-        recorded.dispatches.push(Dispatch::linear(kernels::rmsnorm::RMSNORM_BWD, blocks as u64, &push)?);
+        let kernel = if p.n % 4 == 0 && p.n <= RESIDENT_ROW_FLOATS {
+            kernels::rmsnorm::RMSNORM_BWD_RESIDENT
+        } else {
+            kernels::rmsnorm::RMSNORM_BWD
+        };
+        recorded.dispatches.push(Dispatch::linear(kernel, blocks as u64, &push)?);
         if p.has_weight {
             let dweight = recorded.output(gpu, Self::NAME, "dweight", vec![p.n])?;
             let partials = Partials { slot: push.dweight_partial, rows: blocks, cols: p.n, offset: 0, row_stride: p.n };
