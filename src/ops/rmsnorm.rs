@@ -196,6 +196,11 @@ impl OpDef for RmsNormBwd {
         let (rows, n) = example_size(size);
         example_inputs(rows, n, true, true, seed)
     }
+
+    /// The small example (rows kept in registers) and one row too long for that (read twice).
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        vec![Self::example(ExampleSize::Small, seed), example_inputs(3, RESIDENT_ROW_FLOATS + 4, true, true, seed)]
+    }
 }
 
 /// (rows, n) of each example size: the benchmark normalises B·L = 8·2048 rows of width 1536.
