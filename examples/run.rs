@@ -279,9 +279,7 @@ fn demo(backend: &str) -> Result<()> {
         // where the sequential f64 reference takes seconds rather than minutes.
         let (inputs, scalars) = op.example(size, 2026);
         let prepared = op.prepare(gpu, &inputs, &scalars)?;
-        gpu.time(&prepared.recorded.dispatches, 1)?;
-        let mut times = gpu.time(&prepared.recorded.dispatches, 10)?;
-        let seconds = median(&mut times);
+        let seconds = timed(gpu, &prepared.recorded.dispatches, 10)?;
         let (input_name, tensor) =
             inputs.iter().max_by_key(|(_, t)| t.len()).ok_or_else(|| anyhow!("{name}: empty example"))?;
         println!(
