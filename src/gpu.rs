@@ -188,10 +188,14 @@ pub fn copy_dispatch(source: &GpuBuffer, target: &GpuBuffer) -> Result<Dispatch>
 pub const WARM_UP_SECONDS: f64 = 0.3;
 
 /// Runs `dispatches` back to back, untimed, until they have kept the GPU busy for
-/// `WARM_UP_SECONDS` (in submissions of at most 1000 repetitions).
+/// `WARM_UP_SECONDS` (in submissions of at most 1000 repetitions; at most 100 submissions, so a
+/// device whose timestamps read zero cannot keep it looping).
 pub fn warm_up(gpu: &dyn Gpu, dispatches: &[Dispatch]) -> Result<()> {
     let mut busy = 0.0;
-    while busy < WARM_UP_SECONDS {
+    for _ in 0..100 {
+        if busy >= WARM_UP_SECONDS {
+            break;
+        }
         let once = gpu.time(dispatches, 1)?.iter().sum::<f64>().max(1e-6);
         let repeats = ((WARM_UP_SECONDS - busy) / once).ceil().clamp(1.0, 1000.0) as usize;
         busy += once + gpu.time(dispatches, repeats)?.iter().sum::<f64>();
