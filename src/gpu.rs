@@ -191,14 +191,14 @@ pub const WARM_UP_SECONDS: f64 = 0.3;
 /// `WARM_UP_SECONDS` (in submissions of at most 1000 repetitions; at most 100 submissions, so a
 /// device whose timestamps read zero cannot keep it looping).
 pub fn warm_up(gpu: &dyn Gpu, dispatches: &[Dispatch]) -> Result<()> {
-    let mut busy = 0.0;
+    let once = gpu.time(dispatches, 1)?.iter().sum::<f64>().max(1e-6);
+    let mut busy = once;
     for _ in 0..100 {
         if busy >= WARM_UP_SECONDS {
             break;
         }
-        let once = gpu.time(dispatches, 1)?.iter().sum::<f64>().max(1e-6);
         let repeats = ((WARM_UP_SECONDS - busy) / once).ceil().clamp(1.0, 1000.0) as usize;
-        busy += once + gpu.time(dispatches, repeats)?.iter().sum::<f64>();
+        busy += gpu.time(dispatches, repeats)?.iter().sum::<f64>().max(once);
     }
     Ok(())
 }
