@@ -535,7 +535,7 @@ impl OpDef for ScanBwd {
                 chunk_push.snapshots = recorded.scratch(gpu, op, "sub-chunk snapshots", elements)?;
             }
             chunk_push.grid_chunks = chunks as u32;
-            let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_STATE;
+            let kernel = kernels::selective_scan_fwd::SELECTIVE_SCAN_CHUNK_STATE_ADJOINT;
             recorded.dispatches.push(Dispatch::linear(kernel, p.walk_workgroups(chunks, FWD_LANES), &chunk_push)?);
             if chunks > 1 {
                 record_combine(&mut recorded, p, &chunk_push)?;
