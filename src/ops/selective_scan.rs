@@ -5,31 +5,35 @@
 //! out_t = y_t·silu(z_t).
 //!
 //! GPU design (kernels in `shaders/kernels/selective_scan_{fwd,bwd,reduce}.slang`). Time is cut into
-//! chunks of 128 steps; one lane owns one (b, d, chunk) and walks it sequentially with up to 16
-//! states in registers (larger N runs in tiles of 16 states, each a walk of its own, the per-step
-//! sums over n carried between tiles through the output buffers). A workgroup is a block of
-//! channels of one group at one (b, chunk) whose lanes walk in step: every 16 steps it stages the
-//! next tile of its rows (u, delta, z, dout, ...) and of b, c in shared memory with coalesced loads
-//! (b, c are then read as broadcast float4s), and its outputs leave the same way, so global memory
-//! is never accessed along the strided channel axis.
+//! chunks of 128 steps; one lane owns one (b, d, chunk) and walks it four steps at a time with up
+//! to 16 states in registers (larger N runs in tiles of 16 states, each a walk of its own, the
+//! per-step sums over n carried between tiles through the output buffers). A lane reads its own
+//! rows (u, delta, z, dout) and writes its outputs with 16-byte accesses: each 32-byte sector a
+//! warp fetches is used whole by two consecutive groups of steps, so rows need no shared-memory
+//! staging. A workgroup is a block of channels of one group at one (b, chunk): every 16 steps it
+//! stages b and c in shared memory, where its lanes read them as broadcasts. (The first design
+//! staged every row through shared memory too; with that memory and 221 registers per lane the
+//! H200 ran 7 warps per SM and the pair took 19 ms: docs/PERFORMANCE.md, run 9.)
 //! - forward: (1) `selective_scan_chunk_state` walks every chunk but the last from a zero state: its
 //!   local end state and Σ Δ; (2) `selective_scan_chunk_combine`, one lane per (b, d, n), chains the
 //!   chunks in order (a chunk's decay is exp(a·ΣΔ)) into each chunk's incoming state; (3)
 //!   `selective_scan_fwd_output` re-walks every chunk from its incoming state and writes `out`, the
 //!   last chunk also `last_state`. Passes 1–2 are skipped when the sequence is one chunk.
-//! - backward: (1) the same chunk walk over every chunk, adding the chunk's local adjoint
-//!   μ = Σ_s (Π_{t0≤r≤s} ā_r)·g_s·c_s (the gradient its own outputs send to the state before it);
+//! - backward: (1) the same chunk walk over every chunk (entry point `..._chunk_state_adjoint`),
+//!   adding the chunk's local adjoint μ = Σ_s (Π_{t0≤r≤s} ā_r)·g_s·c_s (the gradient its own
+//!   outputs send to the state before it);
 //!   (2) the same combine, adding the reverse chain of adjoints λ_{k−1} = μ_k + exp(a·ΣΔ_k)·λ_k
 //!   seeded by dlast_state; pass (1) also leaves the local state (walked from zero) and Σ Δ at every
 //!   16-step boundary inside each chunk, so that the state there is local + exp(a·ΣΔ)·h_in;
 //!   (3) `selective_scan_bwd_chunk` (32 channels per workgroup) takes the 16-step sub-chunks last
-//!   to first, recomputes the states entering their 4-step groups (shared memory), and takes the
+//!   to first, recomputes the states entering their 4-step groups (each lane's own column of
+//!   shared memory), and takes the
 //!   groups last to first: each group's 4 states are recomputed from its entry state and walked
 //!   backwards with dh, so every gradient term is the sequential definition's own product (no
 //!   per-step state is stored, nothing cancels);
 //!   (4) parameter gradients: per-lane partials of da, dd, ddelta_bias summed by `column_sums`; db
 //!   and dc are summed over the workgroup's 32 channels in a fixed shared-memory order once per 4
-//!   steps, then over the channel blocks of a group by `selective_scan_channel_sum`.
+//!   steps and 4 states, then over the channel blocks of a group by `selective_scan_channel_sum`.
 //!   No atomics; every order depends on the shapes alone.
 
 use crate::error::{Error, Result};
