@@ -48,7 +48,7 @@ const NONE: [bool; 4] = [false; 4];
 /// B {1, 2}; L {1, 2, 63, 64, 65, 131, 2345}; (H, G) with H ∈ {1, 4, 8}, G ∈ {1, 2, 4};
 /// N {8, 16, 32, 128}; P {4, 16, 64}; S {1, N/4, N/2}; chunk {16, 64}; d, z, the input states and
 /// the final-state gradients each on and off. The L = 2345 case keeps P and N small; the
-/// realistic N = 128, P = 64 shape runs at L = 65 and 131.
+/// realistic N = 128, P = 64 shape runs at L = 65 and 131. The last case has P·N = 18 (N = 6, P = 3).
 fn cases() -> Vec<SisoShape> {
     vec![
         shape(1, 1, 1, 1, 8, 4, 1, 64, ALL),
@@ -60,6 +60,8 @@ fn cases() -> Vec<SisoShape> {
         shape(1, 131, 8, 2, 128, 16, 64, 64, [false, true, true, false]),
         shape(2, 2345, 4, 2, 8, 4, 2, 64, ALL),
         shape(1, 100, 1, 1, 32, 4, 1, 16, NONE),
+        // P·N = 18 is not a multiple of 4: the kernels' per-element paths (no 16-byte accesses)
+        shape(1, 70, 2, 1, 6, 3, 1, 16, ALL),
     ]
 }
 

@@ -739,6 +739,14 @@ const TILE: usize = 64;
 /// Threads of the element-wise state pass.
 const STATE_PASS_THREADS: usize = 256;
 
+/// Workgroups of the state passes: a thread per 4 elements of a P×N matrix when P·N is a multiple
+/// of 4 (16-byte accesses), else per element (mamba3_siso_state.slang, state_pass_dispatch).
+fn state_pass_groups(p: &SisoProblem) -> u64 {
+    let matrix = p.head_dim * p.state;
+    let width = if matrix % 4 == 0 { 4 } else { 1 };
+    (p.batch * p.heads * matrix / width).div_ceil(STATE_PASS_THREADS) as u64
+}
+
 /// The slots every pass shares: inputs and the forward scratch.
 struct Common {
     q: u32,
@@ -846,10 +854,9 @@ fn record_states(
         tiles as u64,
         &state,
     )?);
-    let elements = bh * p.head_dim * p.state;
     recorded.dispatches.push(Dispatch::linear(
         kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS,
-        elements.div_ceil(STATE_PASS_THREADS) as u64,
+        state_pass_groups(p),
         &state,
     )?);
     Ok(common)
@@ -1066,7 +1073,7 @@ impl OpDef for SisoBwd {
         )?);
         recorded.dispatches.push(Dispatch::linear(
             kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
-            (bh * pd * n).div_ceil(STATE_PASS_THREADS) as u64,
+            state_pass_groups(p),
             &dstate,
         )?);
 
