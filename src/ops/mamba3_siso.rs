@@ -571,6 +571,7 @@ push_constants! {
         gamma: u32,
         theta_loc: u32,
         theta_start: u32,
+        rotation: u32,
         final_angle_state: u32,
         final_k_state: u32,
         final_v_state: u32,
@@ -599,8 +600,7 @@ push_constants! {
         k_bias: u32,
         acs: u32,
         scale: u32,
-        theta_loc: u32,
-        theta_start: u32,
+        rotation: u32,
         states: u32,
         init_state: u32,
         k_state: u32,
@@ -637,8 +637,7 @@ push_constants! {
         acs: u32,
         scale: u32,
         gamma: u32,
-        theta_loc: u32,
-        theta_start: u32,
+        rotation: u32,
         states: u32,
         dstates: u32,
         out: u32,
@@ -675,8 +674,7 @@ push_constants! {
         acs: u32,
         scale: u32,
         gamma: u32,
-        theta_loc: u32,
-        theta_start: u32,
+        rotation: u32,
         states: u32,
         dstates: u32,
         dfinal_k: u32,
@@ -765,6 +763,7 @@ struct Common {
     gamma: u32,
     theta_loc: u32,
     theta_start: u32,
+    rotation: u32,
     states: u32,
 }
 
@@ -810,6 +809,7 @@ fn record_states(
         gamma: recorded.scratch(gpu, op, "gamma (scratch)", bh * l)?,
         theta_loc: recorded.scratch(gpu, op, "in-chunk angles (scratch)", bh * l * p.rope)?,
         theta_start: recorded.scratch(gpu, op, "chunk angle prefixes (scratch)", bh * (nc + 1) * p.rope)?,
+        rotation: recorded.scratch(gpu, op, "rotation table (scratch)", 2 * bh * l * p.rope)?,
         states: recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
     };
     let prep = SisoPrepPush {
@@ -826,6 +826,7 @@ fn record_states(
         gamma: common.gamma,
         theta_loc: common.theta_loc,
         theta_start: common.theta_start,
+        rotation: common.rotation,
         final_angle_state: finals[0],
         final_k_state: finals[2],
         final_v_state: finals[3],
@@ -841,6 +842,14 @@ fn record_states(
     };
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_PREP, (bh * nc) as u64, &prep)?);
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_ANGLE_PASS, bh as u64, &prep)?);
+    if p.rope > 0 {
+        let pairs = bh * l * p.rope;
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_prep::MAMBA3_SISO_ROTATION,
+            pairs.div_ceil(256) as u64,
+            &prep,
+        )?);
+    }
     let state = state_push(p, &common, NO_BUFFER, common.states, finals[1]);
     let state = SisoStatePush {
         init_state: states_in.map_or(NO_BUFFER, |s| s[1]),
@@ -873,8 +882,7 @@ fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: 
         k_bias: c.k_bias,
         acs: c.acs,
         scale: c.scale,
-        theta_loc: c.theta_loc,
-        theta_start: c.theta_start,
+        rotation: c.rotation,
         states,
         init_state: NO_BUFFER,
         k_state: NO_BUFFER,
@@ -909,8 +917,7 @@ fn chunk_push(p: &SisoProblem, c: &Common) -> SisoChunkPush {
         acs: c.acs,
         scale: c.scale,
         gamma: c.gamma,
-        theta_loc: c.theta_loc,
-        theta_start: c.theta_start,
+        rotation: c.rotation,
         states: c.states,
         dstates: NO_BUFFER,
         out: NO_BUFFER,
@@ -1116,8 +1123,7 @@ impl OpDef for SisoBwd {
             acs: common.acs,
             scale: common.scale,
             gamma: common.gamma,
-            theta_loc: common.theta_loc,
-            theta_start: common.theta_start,
+            rotation: common.rotation,
             states: common.states,
             dstates,
             dfinal_k: dfinal[2],
