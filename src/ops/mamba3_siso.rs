@@ -734,6 +734,8 @@ const _: () = assert!(std::mem::size_of::<SisoTailPush>() == kernels::mamba3_sis
 
 /// Columns of one output tile of the chunk kernels (SISO_TILE in siso_tile.slang).
 const TILE: usize = 64;
+/// State dims (columns) of one chunk-state tile (STATE_COLS in mamba3_siso_state.slang).
+const STATE_TILE_COLS: usize = 128;
 /// Threads of the element-wise state pass.
 const STATE_PASS_THREADS: usize = 256;
 
@@ -857,7 +859,7 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(TILE);
+    let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS);
     recorded.dispatches.push(Dispatch::linear(
         kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_STATE,
         tiles as u64,
@@ -900,7 +902,7 @@ fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: 
         chunk: u(p.chunk),
         chunks: u(p.chunks()),
         tiles_p: u(p.head_dim.div_ceil(TILE)),
-        tiles_n: u(p.state.div_ceil(TILE)),
+        tiles_n: u(p.state.div_ceil(STATE_TILE_COLS)),
     }
 }
 
@@ -1072,7 +1074,7 @@ impl OpDef for SisoBwd {
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
         let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
-        let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(TILE);
+        let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(STATE_TILE_COLS);
         recorded.dispatches.push(Dispatch::linear(
             kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE,
             tiles as u64,
