@@ -295,10 +295,7 @@ fn required_features_missing(
     f12: &vk::PhysicalDeviceVulkan12Features<'_>,
 ) -> Vec<String> {
     let mut missing = Vec::new();
-    let checks = [
-        (f12.buffer_device_address, "bufferDeviceAddress"),
-        (features.shader_int64, "shaderInt64"),
-    ];
+    let checks = [(f12.buffer_device_address, "bufferDeviceAddress"), (features.shader_int64, "shaderInt64")];
     for (value, name) in checks {
         if value == vk::FALSE {
             missing.push(name.to_string());
@@ -532,7 +529,8 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         let pool_info = vk::DescriptorPoolCreateInfo::default().pool_sizes(&pool_sizes).max_sets(1);
         let descriptor_pool =
             unsafe { device.create_descriptor_pool(&pool_info, None) }.map_err(vk_error("vkCreateDescriptorPool"))?;
-        let allocate = vk::DescriptorSetAllocateInfo::default().descriptor_pool(descriptor_pool).set_layouts(&set_layouts);
+        let allocate =
+            vk::DescriptorSetAllocateInfo::default().descriptor_pool(descriptor_pool).set_layouts(&set_layouts);
         let descriptor_set =
             unsafe { device.allocate_descriptor_sets(&allocate) }.map_err(vk_error("vkAllocateDescriptorSets"))?[0];
         Ok((set_layout, pipeline_layout, descriptor_pool, descriptor_set))
@@ -746,7 +744,12 @@ impl Shared {
                     j += 1;
                 }
                 let words: Vec<u64> = entries[i..j].iter().map(|&(_, a)| a).collect();
-                self.device.cmd_update_buffer(cb, state.table, u64::from(entries[i].0) * 8, bytemuck::cast_slice(&words));
+                self.device.cmd_update_buffer(
+                    cb,
+                    state.table,
+                    u64::from(entries[i].0) * 8,
+                    bytemuck::cast_slice(&words),
+                );
                 i = j;
             }
             memory_barrier(
