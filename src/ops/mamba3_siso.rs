@@ -12,12 +12,12 @@
 //! split into passes that are parallel over (batch, head, chunk):
 //!
 //! forward: `prep` (per chunk: local cumulative decay, scale, γ, local angle cumsum) →
-//! `angle_pass` (per (b, h): angle prefix over chunks, final angle / k / v states) →
-//! `chunk_state` (per chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
+//! `angle_pass` (per (b, h): angle prefix over chunks, final angle / k / v states) → `rotation`
+//! (per step and pair: the (cos θ, sin θ) table every chunk kernel reads) → `chunk_state` (per chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
 //! S_in[c+1] = exp(A_c)·S_in[c] + S_loc[c], in place) → `chunk_fwd` (per chunk: inter-chunk term,
 //! masked intra-chunk term, diagonal, D, gate).
 //!
-//! backward: the forward's first four passes again (states entering every chunk), then `chunk_state`
+//! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
 //! state leaving every chunk); `chunk_bwd` (per chunk: recomputed output, dz, dv, dadt through an
 //! in-chunk reverse cumsum, dscale, dγ, dD partials); `dqk` (per chunk and group, looping over the
