@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs on the H200 (device tool, carry .device and .gl), after scripts/build-variants.sh: times every
+# packed runner on OPS (default: the SISO scan) with `bench --detail`, Vulkan with the driver's
+# pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
+# dumps those variants' Vulkan pipelines (for scripts/vk-sass.py). Logs go to $OUT.
+#   usage: bash .device/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
+set -uo pipefail
+out="${OUT:-/tmp}"
+for f in .gl/*.deb; do dpkg -x "$f" /; done
+ldconfig
+if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
+  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
+fi
+nvrtc=$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | grep -v alt | head -1)
+[ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+mkdir -p /tmp/variants && tar -C /tmp/variants -xJf .device/variants.tar.xz
+ops=${OPS:-mamba3_siso_fwd,mamba3_siso_bwd}
+for r in ${VARIANTS:-$(ls /tmp/variants)}; do
+  n=${r#run-}
+  export MAMBA_CACHE_DIR=/tmp/cache-$n
+  echo "== $n vulkan"
+  MAMBA_VK_PIPELINE_STATS=1 /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail >"$out/$n.vk.txt" 2>&1
+  grep -E "^\| |Register|rror" "$out/$n.vk.txt" | grep -vE "column_sum|copy_f32" | sed 's/Binary Size.*Shared/Shared/'
+  if [ "${NOCUDA:-0}" = 0 ]; then
+    echo "== $n cuda"
+    /tmp/variants/$r bench --backend cuda --ops "$ops" --repeats 20 --detail >"$out/$n.cu.txt" 2>&1
+    grep -E "^\| |rror" "$out/$n.cu.txt"
+  fi
+  if [ "${COMPARE:-0}" != 0 ]; then
+    /tmp/variants/$r compare --backends vulkan,cuda --size small >"$out/$n.compare.txt" 2>&1
+    echo "$n: largest Vulkan-CUDA difference: $(grep -E '^\| ' "$out/$n.compare.txt" | sort -t'|' -k4 -g | tail -1)"
+  fi
+done
+for n in ${SASS:-}; do
+  rm -rf /tmp/vkbin-$n && mkdir -p /tmp/vkbin-$n
+  MAMBA_VK_PIPELINE_BINARY_DIR=/tmp/vkbin-$n MAMBA_CACHE_DIR=/tmp/cache-sass-$n \
+    /tmp/variants/run-$n bench --backend vulkan --ops "$ops" --repeats 1 >/dev/null 2>&1
+done
+if [ -n "${SASS:-}" ]; then
+  tar -C /tmp -cJf "$out/vkbin.tar.xz" $(for n in $SASS; do echo vkbin-$n; done) && ls -la "$out/vkbin.tar.xz"
+fi
