@@ -22,4 +22,3 @@ for spec in "$@"; do
   echo "built $name ($(git rev-parse --short "$rev"))"
 done
 tar -C "$bin" -cJf .device/variants.tar.xz . && du -sh .device/variants.tar.xz
-cp scripts/time-variants.sh .device/

@@ -12,13 +12,7 @@ run=.device/release/examples/run
 out="${OUT:-/tmp}"
 
 [ -f .device/bundle.tar.xz ] && tar -C .device -xJf .device/bundle.tar.xz
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-fi
-nvrtc=$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | grep -v alt | head -1)
-[ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+source scripts/device-env.sh
 export MAMBA_CACHE_DIR=/tmp/mamba-cache
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,memory.total --format=csv,noheader
 "$run" devices

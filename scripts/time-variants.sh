@@ -3,16 +3,11 @@
 # packed runner on OPS (default: the SISO scan) with `bench --detail`, Vulkan with the driver's
 # pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
 # dumps those variants' Vulkan pipelines (for scripts/vk-sass.py). Logs go to $OUT.
-#   usage: bash .device/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
+#   usage: scripts/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
 set -uo pipefail
+cd "$(dirname "$0")/.."
 out="${OUT:-/tmp}"
-for f in .gl/*.deb; do dpkg -x "$f" /; done
-ldconfig
-if ! ls /usr/share/vulkan/icd.d/nvidia_icd.json /etc/vulkan/icd.d/nvidia_icd.json >/dev/null 2>&1; then
-  export VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json
-fi
-nvrtc=$(find / -name 'libnvrtc.so*' -not -path '*/proc/*' 2>/dev/null | grep -v alt | head -1)
-[ -n "$nvrtc" ] && export LD_LIBRARY_PATH="$(dirname "$nvrtc"):${LD_LIBRARY_PATH:-}"
+source scripts/device-env.sh
 mkdir -p /tmp/variants && tar -C /tmp/variants -xJf .device/variants.tar.xz
 ops=${OPS:-mamba3_siso_fwd,mamba3_siso_bwd}
 for r in ${VARIANTS:-$(ls /tmp/variants)}; do
