@@ -13,7 +13,8 @@
 //!
 //! forward: `prep` (per chunk: local cumulative decay, scale, γ, local angle cumsum) →
 //! `angle_pass` (per (b, h): angle prefix over chunks, final angle / k / v states) → `rotation`
-//! (per step and pair: the (cos θ, sin θ) table every chunk kernel reads) → `chunk_state` (per chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
+//! (per step and pair: the (cos θ, sin θ) table every chunk kernel reads) → `chunk_state` (per
+//! chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
 //! S_in[c+1] = exp(A_c)·S_in[c] + S_loc[c], in place) → `chunk_fwd` (per chunk: inter-chunk term,
 //! masked intra-chunk term, diagonal, D, gate).
 //!
