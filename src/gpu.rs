@@ -125,6 +125,8 @@ pub struct Dispatch {
     pub groups: [u32; 3],
     push: [u8; MAX_PUSH_CONSTANT_BYTES],
     push_len: usize,
+    /// Set by `alongside_previous`: no barrier between this dispatch and the one before it.
+    overlaps_previous: bool,
 }
 
 impl Dispatch {
@@ -142,7 +144,7 @@ impl Dispatch {
         }
         let mut data = [0u8; MAX_PUSH_CONSTANT_BYTES];
         data[..bytes.len()].copy_from_slice(bytes);
-        Ok(Dispatch { kernel, groups, push: data, push_len: bytes.len() })
+        Ok(Dispatch { kernel, groups, push: data, push_len: bytes.len(), overlaps_previous: false })
     }
 
     /// A 1-D grid of `workgroups` workgroups, laid out as (GRID_X, ceil(workgroups / GRID_X)); the
@@ -155,6 +157,21 @@ impl Dispatch {
             return Err(Error::Dispatch(format!("{}: {workgroups} workgroups exceed the grid limit", kernel.label())));
         }
         Dispatch::new(kernel, [x, y as u32, 1], push)
+    }
+
+    /// Marks this dispatch as independent of the one recorded just before it: neither reads or
+    /// writes what the other writes. A backend may then run the two at once (Vulkan records no
+    /// barrier between them), which fills the GPU while a latency-bound pass runs. Both still come
+    /// after everything recorded before the previous one. Results cannot depend on it: the two
+    /// touch disjoint memory, and each one's reductions keep their fixed order.
+    pub fn alongside_previous(mut self) -> Self {
+        self.overlaps_previous = true;
+        self
+    }
+
+    /// Whether `alongside_previous` marked it.
+    pub fn overlaps_previous(&self) -> bool {
+        self.overlaps_previous
     }
 
     /// The push-constant bytes.

@@ -774,7 +774,8 @@ fn u(value: usize) -> u32 {
     value as u32
 }
 
-/// Allocates the forward scratch and records prep, angle pass, chunk states and the state pass.
+/// Allocates the forward scratch and records prep, angle pass, rotation and chunk states; returns
+/// the state pass for the caller to record (the backward records its gradient chain beside it).
 /// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
 fn record_states(
     p: &SisoProblem,
@@ -783,7 +784,7 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
-) -> Result<Common> {
+) -> Result<(Common, Dispatch)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
         Some([
@@ -866,12 +867,8 @@ fn record_states(
         tiles as u64,
         &state,
     )?);
-    recorded.dispatches.push(Dispatch::linear(
-        kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS,
-        state_pass_groups(p),
-        &state,
-    )?);
-    Ok(common)
+    let state_pass = Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS, state_pass_groups(p), &state)?;
+    Ok((common, state_pass))
 }
 
 fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
@@ -985,7 +982,8 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let common = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        let (common, state_pass) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        recorded.dispatches.push(state_pass);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
         recorded.dispatches.push(Dispatch::linear(
             kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_FWD,
@@ -1070,22 +1068,24 @@ impl OpDef for SisoBwd {
         };
 
         // forward recomputation: S_in of every chunk
-        let common = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+        let (common, state_pass) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
         let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
         let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(STATE_TILE_COLS);
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE,
-            tiles as u64,
-            &dstate,
-        )?);
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
-            state_pass_groups(p),
-            &dstate,
-        )?);
+        // The gradient chain (chunk_dstate, then its reverse pass) is independent of the forward
+        // one (chunk_state, then the state pass): each step runs alongside its counterpart, so the
+        // latency-bound passes share the GPU instead of following each other.
+        recorded.dispatches.push(
+            Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE, tiles as u64, &dstate)?
+                .alongside_previous(),
+        );
+        recorded.dispatches.push(state_pass);
+        recorded.dispatches.push(
+            Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE, state_pass_groups(p), &dstate)?
+                .alongside_previous(),
+        );
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
         let dscale = recorded.scratch(gpu, op, "dscale (scratch)", bh * l)?;
@@ -1147,11 +1147,11 @@ impl OpDef for SisoBwd {
             chunks: u(nc),
             tiles_n: u(tiles_n),
         };
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
-            (b * g * nc * tiles_n) as u64,
-            &dqk,
-        )?);
+        // dqk reads none of chunk_bwd's outputs: the two run side by side.
+        recorded.dispatches.push(
+            Dispatch::linear(kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK, (b * g * nc * tiles_n) as u64, &dqk)?
+                .alongside_previous(),
+        );
 
         // angles, input states, dt and trap
         let carry = recorded.scratch(gpu, op, "angle gradient carries (scratch)", bh * nc * s)?;

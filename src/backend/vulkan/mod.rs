@@ -910,7 +910,8 @@ impl Shared {
             .ok_or_else(|| Error::Dispatch(format!("buffer slot {} is not a live Vulkan buffer", buffer.slot())))
     }
 
-    /// Records the dispatches in order with a full compute barrier between neighbours.
+    /// Records the dispatches in order with a full compute barrier between neighbours, except
+    /// before one marked `alongside_previous`.
     fn record_dispatches(
         &self,
         device: &ash::Device,
@@ -930,7 +931,7 @@ impl Shared {
             );
             let mut bound = vk::Pipeline::null();
             for (i, dispatch) in dispatches.iter().enumerate() {
-                if i > 0 {
+                if i > 0 && !dispatch.overlaps_previous() {
                     compute_barrier(device, cb);
                 }
                 if pipelines[i] != bound {
