@@ -64,6 +64,10 @@ enum Command {
         /// Also time every dispatch of each op on its own (after one full run fills the buffers).
         #[arg(long)]
         detail: bool,
+        /// Overrides a scalar of the benchmark examples, e.g. `--scalar chunk_size=32`
+        /// (repeatable; applied to every selected op, validated by it).
+        #[arg(long = "scalar", value_name = "NAME=VALUE")]
+        scalars: Vec<String>,
     },
     /// Runs every op's example on several backends and prints the largest difference between
     /// them and against the CPU reference, per output.
@@ -97,8 +101,8 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Command::Bench { backend, ops, repeats, small, detail } => {
-            bench(&backend, ops.as_deref(), repeats, small, detail)
+        Command::Bench { backend, ops, repeats, small, detail, scalars } => {
+            bench(&backend, ops.as_deref(), repeats, small, detail, &scalars)
         }
         Command::Compare { backends, size } => compare(&backends, &size),
         Command::Startup => startup(),
@@ -217,7 +221,18 @@ fn timed(gpu: &dyn Gpu, dispatches: &[Dispatch], repeats: usize) -> Result<f64> 
     Ok(median(&mut times))
 }
 
-fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail: bool) -> Result<()> {
+fn bench(
+    backend: &str,
+    names: Option<&str>,
+    repeats: usize,
+    small: bool,
+    detail: bool,
+    overrides: &[String],
+) -> Result<()> {
+    let overrides = overrides
+        .iter()
+        .map(|o| o.split_once('=').ok_or_else(|| anyhow!("--scalar `{o}`: expected NAME=VALUE")))
+        .collect::<Result<Vec<_>>>()?;
     let device = open(backend)?;
     let gpu = device.gpu().ok_or_else(|| anyhow!("bench needs a GPU backend (vulkan or cuda)"))?;
     let size = if small || gpu.is_cpu() { ExampleSize::CpuDevice } else { ExampleSize::Gpu };
@@ -232,7 +247,10 @@ fn bench(backend: &str, names: Option<&str>, repeats: usize, small: bool, detail
     println!("| op | time (µs) | traffic (MB) | GB/s | % of copy | GFLOP/s |");
     println!("|---|---:|---:|---:|---:|---:|");
     for op in selected {
-        let (inputs, scalars) = op.example(size, 1);
+        let (inputs, mut scalars) = op.example(size, 1);
+        for (name, value) in &overrides {
+            scalars.set(name, value);
+        }
         let prepared = op.prepare(gpu, &inputs, &scalars)?;
         let seconds = timed(gpu, &prepared.recorded.dispatches, repeats)?;
         let rate = prepared.traffic_bytes as f64 / seconds;

@@ -867,7 +867,8 @@ fn record_states(
         tiles as u64,
         &state,
     )?);
-    let state_pass = Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS, state_pass_groups(p), &state)?;
+    let state_pass =
+        Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS, state_pass_groups(p), &state)?;
     Ok((common, state_pass))
 }
 
@@ -1083,8 +1084,12 @@ impl OpDef for SisoBwd {
         );
         recorded.dispatches.push(state_pass);
         recorded.dispatches.push(
-            Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE, state_pass_groups(p), &dstate)?
-                .alongside_previous(),
+            Dispatch::linear(
+                kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
+                state_pass_groups(p),
+                &dstate,
+            )?
+            .alongside_previous(),
         );
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
