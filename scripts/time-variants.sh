@@ -2,7 +2,8 @@
 # Runs on the H200 (device tool, carry .device and .gl), after scripts/build-variants.sh: times every
 # packed runner on OPS (default: the SISO scan) with `bench --detail`, Vulkan with the driver's
 # pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
-# dumps those variants' Vulkan pipelines (for scripts/vk-sass.py). Logs go to $OUT.
+# dumps those variants' Vulkan pipelines (for scripts/vk-sass.py), CHUNKS="32 48" also times the
+# last variant at those chunk sizes (`bench --scalar chunk_size=C`, Vulkan). Logs go to $OUT.
 #   usage: scripts/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +26,15 @@ for r in ${VARIANTS:-$(ls /tmp/variants)}; do
     /tmp/variants/$r compare --backends vulkan,cuda --size small >"$out/$n.compare.txt" 2>&1
     echo "$n: largest Vulkan-CUDA difference: $(grep -E '^\| ' "$out/$n.compare.txt" | sort -t'|' -k4 -g | tail -1)"
   fi
+done
+last=$(ls /tmp/variants | tail -1)
+[ -n "${VARIANTS:-}" ] && last=${VARIANTS##* }
+for c in ${CHUNKS:-}; do
+  n=${last#run-}
+  echo "== $n vulkan, chunk $c"
+  MAMBA_CACHE_DIR=/tmp/cache-$n /tmp/variants/$last bench --backend vulkan --ops "$ops" --repeats 20 --detail \
+    --scalar chunk_size=$c >"$out/$n.chunk$c.vk.txt" 2>&1
+  grep -E "^\| |rror" "$out/$n.chunk$c.vk.txt" | grep -vE "column_sum|copy_f32"
 done
 for n in ${SASS:-}; do
   rm -rf /tmp/vkbin-$n && mkdir -p /tmp/vkbin-$n
