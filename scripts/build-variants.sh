@@ -15,7 +15,8 @@ bin=target/variants-bin
 rm -rf "$bin" && mkdir -p "$bin" .device
 for spec in "$@"; do
   name=${spec%%=*}
-  rev=${spec#*=}
+  # resolved here: inside the worktree, HEAD and branch-relative names mean the worktree's own
+  rev=$(git rev-parse --verify "${spec#*=}^{commit}")
   (cd "$src" && git checkout -q --detach "$rev" && ln -sfn "$root/.tools" .tools &&
     CARGO_TARGET_DIR="$root/target/variants" cargo build -q --release --features cuda --example run)
   cp target/variants/release/examples/run "$bin/run-$name" && strip "$bin/run-$name"
