@@ -1,6 +1,7 @@
 //! Compiles every Slang kernel file under `shaders/kernels/` twice: to SPIR-V (with reflection JSON
 //! and a depfile) for the Vulkan backend, and to CUDA C++ for the CUDA backend, which compiles it at
-//! run time with NVRTC. Generates `kernels.rs` in `OUT_DIR`: one static table naming every kernel
+//! run time with NVRTC. A file whose first line is `// targets: spirv` is compiled to SPIR-V only
+//! (its kernels need what NVRTC lacks, such as bf16 cooperative matrices). Generates `kernels.rs` in `OUT_DIR`: one static table naming every kernel
 //! file, its entry points, thread-group sizes, push-constant layout and the two compiled forms.
 
 use std::fmt::Write as _;
@@ -46,12 +47,17 @@ fn main() {
         let json = out.join(format!("{stem}.json"));
         let dep = out.join(format!("{stem}.d"));
         let cuda = out.join(format!("{stem}.cu"));
+        let spirv_only = std::fs::read_to_string(source)
+            .unwrap_or_else(|e| panic!("cannot read {}: {e}", source.display()))
+            .lines()
+            .next()
+            .is_some_and(|line| line.trim() == "// targets: spirv");
         run_slangc(
             &slangc,
             Command::new(&slangc)
                 .arg(source)
                 .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
-                .args(["-warnings-disable", "41012,29116"])
+                .args(["-warnings-disable", "41012,29116,31010"])
                 .arg("-I")
                 .arg(&common_dir)
                 .arg("-o")
@@ -62,18 +68,20 @@ fn main() {
                 .arg(&dep),
             source,
         );
-        run_slangc(
-            &slangc,
-            Command::new(&slangc)
-                .arg(source)
-                .args(["-target", "cuda", "-line-directive-mode", "none"])
-                .args(["-warnings-disable", "41012,29116"])
-                .arg("-I")
-                .arg(&common_dir)
-                .arg("-o")
-                .arg(&cuda),
-            source,
-        );
+        if !spirv_only {
+            run_slangc(
+                &slangc,
+                Command::new(&slangc)
+                    .arg(source)
+                    .args(["-target", "cuda", "-line-directive-mode", "none"])
+                    .args(["-warnings-disable", "41012,29116,31010"])
+                    .arg("-I")
+                    .arg(&common_dir)
+                    .arg("-o")
+                    .arg(&cuda),
+                source,
+            );
+        }
         for dependency in read_depfile(&dep) {
             println!("cargo:rerun-if-changed={}", dependency.display());
         }
@@ -93,7 +101,7 @@ fn main() {
                     .arg(source)
                     .args(["-target", "spirv", "-profile", "spirv_1_5", "-fvk-use-entrypoint-name", "-O0"])
                     .args(["-entry", name, "-stage", "compute"])
-                    .args(["-warnings-disable", "41012,29116"])
+                    .args(["-warnings-disable", "41012,29116,31010"])
                     .arg("-I")
                     .arg(&common_dir)
                     .arg("-o")
@@ -109,8 +117,10 @@ fn main() {
             }
             set_hash.write(&words);
         }
-        let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
-        set_hash.write(&cuda_text);
+        if !spirv_only {
+            let cuda_text = std::fs::read(&cuda).expect("slangc wrote the CUDA source");
+            set_hash.write(&cuda_text);
+        }
 
         let module = stem.clone();
         writeln!(generated, "/// Kernel file `shaders/kernels/{stem}.slang`.").unwrap();
@@ -141,10 +151,14 @@ fn main() {
             })
             .collect();
         let field_list: Vec<String> = fields.iter().map(|(n, o)| format!("(\"{n}\", {o})")).collect();
+        let cuda_source = if spirv_only {
+            "None".to_string()
+        } else {
+            format!("Some(include_str!(concat!(env!(\"OUT_DIR\"), \"/{stem}.cu\")))")
+        };
         writeln!(
             table,
-            "    KernelFile {{ name: \"{stem}\", \
-             cuda_source: include_str!(concat!(env!(\"OUT_DIR\"), \"/{stem}.cu\")), push_constant_bytes: {push_bytes}, \
+            "    KernelFile {{ name: \"{stem}\", cuda_source: {cuda_source}, push_constant_bytes: {push_bytes}, \
              push_constant_fields: &[{}], entry_points: &[{}] }},",
             field_list.join(", "),
             entry_list.join(", ")

@@ -186,15 +186,21 @@ fn devices() -> Result<()> {
         Ok(list) => {
             let chosen = Device::open(BackendKind::Vulkan);
             match &chosen {
-                Ok(device) => {
-                    println!("vulkan: available: default device {}", device.description())
-                }
+                Ok(device) => println!(
+                    "vulkan: available: default device {}, matrix path {}",
+                    device.description(),
+                    device.gpu().map_or("-", |g| g.matrix_path().name())
+                ),
                 Err(error) => println!("vulkan: absent: {error}"),
             }
             for d in list {
                 let status =
                     if d.missing.is_empty() { "usable".to_string() } else { format!("lacks {}", d.missing.join(", ")) };
                 println!("  [{}] {} ({}, Vulkan {}, {}): {status}", d.index, d.name, d.kind, d.api_version, d.driver);
+                match &d.tensor_cores {
+                    Ok(()) => println!("      tensor cores: bf16 cooperative matrices (16x16x16, f32 accumulation)"),
+                    Err(lack) => println!("      tensor cores: none (lacks {lack})"),
+                }
             }
         }
         Err(error) => println!("vulkan: absent: {error}"),

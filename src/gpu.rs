@@ -15,6 +15,63 @@ pub const MAX_PUSH_CONSTANT_BYTES: usize = 128;
 /// The slot value that marks an optional tensor as absent (`NO_BUFFER` in storage.slang).
 pub const NO_BUFFER: u32 = u32::MAX;
 
+/// How the Mamba-3 SISO chunk kernels multiply matrices (every other op has one path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MatrixPath {
+    /// f32 FMAs in register tiles on the shader cores: every backend and device.
+    Simt,
+    /// Split-bf16 MMAs on tensor cores (Vulkan cooperative matrices; shaders/common/tile_mma.slang).
+    TensorCores,
+    /// The tensor-core kernels with their MMAs emulated in f32 scalar code: any Vulkan device.
+    /// Slower than `Simt`; it tests the tile kernels where there are no tensor cores.
+    Emulated,
+}
+
+/// Set to `simt`, `tensor-cores` or `emulated` to choose the matrix path of a device (the default
+/// is tensor cores where the device has them, else SIMT).
+pub const MATRIX_PATH_ENV: &str = "MAMBA_MATRIX_PATH";
+
+impl MatrixPath {
+    pub const ALL: [MatrixPath; 3] = [MatrixPath::Simt, MatrixPath::TensorCores, MatrixPath::Emulated];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            MatrixPath::Simt => "simt",
+            MatrixPath::TensorCores => "tensor-cores",
+            MatrixPath::Emulated => "emulated",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        MatrixPath::ALL.into_iter().find(|p| p.name() == text.trim()).ok_or_else(|| {
+            Error::Dispatch(format!("{MATRIX_PATH_ENV}={text:?}: expected simt, tensor-cores or emulated"))
+        })
+    }
+
+    /// The path a device that can take `available` takes: `MAMBA_MATRIX_PATH` when set (an error
+    /// when the device cannot take it), else tensor cores where it has them, else SIMT.
+    pub fn default_for(available: &[MatrixPath], device: &str) -> Result<Self> {
+        if let Ok(text) = std::env::var(MATRIX_PATH_ENV) {
+            let wanted = MatrixPath::parse(&text)?;
+            return MatrixPath::check(wanted, available, device);
+        }
+        Ok(if available.contains(&MatrixPath::TensorCores) { MatrixPath::TensorCores } else { MatrixPath::Simt })
+    }
+
+    /// `wanted`, or an error naming what the device offers.
+    pub fn check(wanted: MatrixPath, available: &[MatrixPath], device: &str) -> Result<Self> {
+        if available.contains(&wanted) {
+            return Ok(wanted);
+        }
+        let names: Vec<&str> = available.iter().map(|p| p.name()).collect();
+        Err(Error::Dispatch(format!(
+            "matrix path `{}` is not available on {device} (available: {})",
+            wanted.name(),
+            names.join(", ")
+        )))
+    }
+}
+
 /// A GPU backend. Every method is synchronous from the caller's point of view.
 pub trait Gpu: Send + Sync {
     /// `"vulkan"` or `"cuda"`.
@@ -35,6 +92,14 @@ pub trait Gpu: Send + Sync {
     fn run(&self, dispatches: &[Dispatch]) -> Result<()>;
     /// Runs the dispatches `repeats` times in one submission; returns the GPU seconds of each repetition.
     fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>>;
+    /// The matrix paths this device can take.
+    fn matrix_paths(&self) -> Vec<MatrixPath> {
+        vec![MatrixPath::Simt]
+    }
+    /// The matrix path the ops take on this device.
+    fn matrix_path(&self) -> MatrixPath {
+        MatrixPath::Simt
+    }
 }
 
 /// Frees a buffer slot when its [`GpuBuffer`] is dropped.

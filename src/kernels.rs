@@ -7,8 +7,9 @@
 pub struct KernelFile {
     /// File stem, e.g. `rmsnorm`.
     pub name: &'static str,
-    /// Self-contained CUDA C++ emitted by `slangc -target cuda`.
-    pub cuda_source: &'static str,
+    /// Self-contained CUDA C++ emitted by `slangc -target cuda`; `None` for a SPIR-V-only file
+    /// (first line `// targets: spirv`).
+    pub cuda_source: Option<&'static str>,
     /// Size of the push-constant block, from reflection.
     pub push_constant_bytes: usize,
     /// Push-constant fields and byte offsets, from reflection.

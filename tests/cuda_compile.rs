@@ -1,4 +1,4 @@
-//! Every kernel file's Slang-emitted CUDA C++ compiles with NVRTC for Hopper and Ampere. NVRTC
+//! Every kernel file's Slang-emitted CUDA C++ (all but the SPIR-V-only files) compiles with NVRTC for Hopper and Ampere. NVRTC
 //! loads without a GPU (make setup installs it from PyPI), so CI catches CUDA code generation
 //! problems that only a GPU run would otherwise show.
 #![cfg(feature = "cuda")]
@@ -13,7 +13,7 @@ fn every_kernel_file_compiles_with_nvrtc() {
         return;
     }
     for arch in ["sm_90", "sm_80"] {
-        for file in KERNEL_FILES {
+        for file in KERNEL_FILES.iter().filter(|f| f.cuda_source.is_some()) {
             match check_compiles(file, arch) {
                 Ok(bytes) => assert!(bytes > 0, "{}: empty cubin", file.name),
                 Err(error) => panic!("{error}"),

@@ -421,3 +421,13 @@ backend_tests!(
     bitwise_deterministic,
     bad_input_is_refused
 );
+
+tile_path_tests!(
+    forward_and_backward_match_reference,
+    chunk_size_only_tunes,
+    state_continuation,
+    single_steps_equal_chunked_run,
+    composition_with_preprocess,
+    bitwise_deterministic,
+    bad_input_is_refused
+);

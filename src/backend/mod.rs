@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::gpu::Gpu;
+use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -138,6 +138,21 @@ impl Device {
         self.vulkan.as_deref()
     }
 
+    /// The same device taking matrix path `path` (an error if it cannot): tests and benchmarks
+    /// compare the paths on one device.
+    pub fn with_matrix_path(&self, path: MatrixPath) -> Result<Device> {
+        let Some(gpu) = &self.gpu else {
+            return Err(Error::DeviceUnavailable {
+                backend: "cpu",
+                reason: "the CPU reference has no matrix paths".into(),
+            });
+        };
+        MatrixPath::check(path, &gpu.matrix_paths(), &gpu.device_name())?;
+        let mut device = self.clone();
+        device.gpu = Some(Arc::new(PathChoice { inner: gpu.clone(), path }) as Arc<dyn Gpu>);
+        Ok(device)
+    }
+
     /// The device in words.
     pub fn description(&self) -> String {
         match &self.gpu {
@@ -150,5 +165,47 @@ impl Device {
 impl fmt::Debug for Device {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Device({}: {})", self.kind, self.description())
+    }
+}
+
+/// A device with another matrix path: every call goes to the device itself.
+struct PathChoice {
+    inner: Arc<dyn Gpu>,
+    path: MatrixPath,
+}
+
+impl Gpu for PathChoice {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn device_name(&self) -> String {
+        self.inner.device_name()
+    }
+    fn is_cpu(&self) -> bool {
+        self.inner.is_cpu()
+    }
+    fn max_buffer_bytes(&self) -> u64 {
+        self.inner.max_buffer_bytes()
+    }
+    fn alloc(&self, elements: usize) -> Result<GpuBuffer> {
+        self.inner.alloc(elements)
+    }
+    fn upload(&self, buffer: &GpuBuffer, data: &[f32]) -> Result<()> {
+        self.inner.upload(buffer, data)
+    }
+    fn download(&self, buffer: &GpuBuffer) -> Result<Vec<f32>> {
+        self.inner.download(buffer)
+    }
+    fn run(&self, dispatches: &[Dispatch]) -> Result<()> {
+        self.inner.run(dispatches)
+    }
+    fn time(&self, dispatches: &[Dispatch], repeats: usize) -> Result<Vec<f64>> {
+        self.inner.time(dispatches, repeats)
+    }
+    fn matrix_paths(&self) -> Vec<MatrixPath> {
+        self.inner.matrix_paths()
+    }
+    fn matrix_path(&self) -> MatrixPath {
+        self.path
     }
 }

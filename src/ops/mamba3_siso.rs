@@ -31,8 +31,8 @@
 use std::f64::consts::{PI, TAU};
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, NO_BUFFER};
-use crate::kernels;
+use crate::gpu::{Dispatch, Gpu, MatrixPath, NO_BUFFER};
+use crate::kernels::{self, KernelRef};
 use crate::ops::math::{sigmoid, silu, silu_derivative, wrap_angle};
 use crate::ops::reduce::{column_sums, Partials};
 use crate::ops::{optional_slot, slot, ExampleSize, GpuTensors, OpDef, Recorded, ScalarCheck, ShapeCheck};
@@ -748,6 +748,30 @@ fn state_pass_groups(p: &SisoProblem) -> u64 {
     (p.batch * p.heads * matrix / width).div_ceil(STATE_PASS_THREADS) as u64
 }
 
+/// The kernels of one matrix path (`Gpu::matrix_path`): the SIMT ones, or their counterparts on
+/// matrix tiles (tensor cores, or the same tiles emulated).
+struct PathKernels {
+    chunk_state: KernelRef,
+    chunk_dstate: KernelRef,
+}
+
+fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
+    use kernels::{mamba3_siso_mma_state as mma, mamba3_siso_state as simt};
+    match gpu.matrix_path() {
+        MatrixPath::Simt => {
+            PathKernels { chunk_state: simt::MAMBA3_SISO_CHUNK_STATE, chunk_dstate: simt::MAMBA3_SISO_CHUNK_DSTATE }
+        }
+        MatrixPath::TensorCores => PathKernels {
+            chunk_state: mma::MAMBA3_SISO_MMA_CHUNK_STATE,
+            chunk_dstate: mma::MAMBA3_SISO_MMA_CHUNK_DSTATE,
+        },
+        MatrixPath::Emulated => PathKernels {
+            chunk_state: mma::MAMBA3_SISO_MMA_EMULATED_CHUNK_STATE,
+            chunk_dstate: mma::MAMBA3_SISO_MMA_EMULATED_CHUNK_DSTATE,
+        },
+    }
+}
+
 /// The slots every pass shares: inputs and the forward scratch.
 struct Common {
     q: u32,
@@ -862,11 +886,7 @@ fn record_states(
         ..state
     };
     let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS);
-    recorded.dispatches.push(Dispatch::linear(
-        kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_STATE,
-        tiles as u64,
-        &state,
-    )?);
+    recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_state, tiles as u64, &state)?);
     let state_pass =
         Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS, state_pass_groups(p), &state)?;
     Ok((common, state_pass))
@@ -1078,10 +1098,9 @@ impl OpDef for SisoBwd {
         // The gradient chain (chunk_dstate, then its reverse pass) is independent of the forward
         // one (chunk_state, then the state pass): each step runs alongside its counterpart, so the
         // latency-bound passes share the GPU instead of following each other.
-        recorded.dispatches.push(
-            Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_CHUNK_DSTATE, tiles as u64, &dstate)?
-                .alongside_previous(),
-        );
+        recorded
+            .dispatches
+            .push(Dispatch::linear(path_kernels(gpu).chunk_dstate, tiles as u64, &dstate)?.alongside_previous());
         recorded.dispatches.push(state_pass);
         recorded.dispatches.push(
             Dispatch::linear(
@@ -1392,6 +1411,7 @@ mod tests {
         use crate::gpu::check_push_layout;
         check_push_layout::<SisoPrepPush>(kernels::mamba3_siso_prep::FILE).unwrap();
         check_push_layout::<SisoStatePush>(kernels::mamba3_siso_state::FILE).unwrap();
+        check_push_layout::<SisoStatePush>(kernels::mamba3_siso_mma_state::FILE).unwrap();
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_chunk::FILE).unwrap();
         check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk::FILE).unwrap();
         check_push_layout::<SisoTailPush>(kernels::mamba3_siso_tail::FILE).unwrap();

@@ -4,6 +4,7 @@
 
 use std::sync::OnceLock;
 
+use mamba_kernels::gpu::MatrixPath;
 use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{ops, BackendKind, Device, Scalars, TensorMap};
 
@@ -30,6 +31,26 @@ pub fn device(kind: BackendKind) -> Option<Device> {
             None
         }
     }
+}
+
+static VULKAN_TILES: OnceLock<Option<Device>> = OnceLock::new();
+
+/// The Vulkan device taking the matrix-tile kernels: on tensor cores where it has them, else
+/// emulated (lavapipe), so that those kernels run in CI as well. `None` when Vulkan is absent.
+pub fn vulkan_tiles_device() -> Option<Device> {
+    VULKAN_TILES
+        .get_or_init(|| {
+            let device = device(BackendKind::Vulkan)?;
+            let gpu = device.gpu()?;
+            let path = if gpu.matrix_paths().contains(&MatrixPath::TensorCores) {
+                MatrixPath::TensorCores
+            } else {
+                MatrixPath::Emulated
+            };
+            eprintln!("matrix-tile kernels on {}: {}", gpu.device_name(), path.name());
+            Some(device.with_matrix_path(path).expect("a Vulkan device takes the tile kernels"))
+        })
+        .clone()
 }
 
 /// Fails if the validation layer (when on) reported anything.
@@ -63,6 +84,22 @@ macro_rules! backend_tests {
             $(#[test] fn $name() {
                 if let Some(device) = super::common::device(mamba_kernels::BackendKind::Cuda) {
                     super::$name(&device);
+                }
+            })*
+        }
+    };
+}
+
+/// As `backend_tests!` for the ops with a matrix-tile path (Mamba-3 SISO): `vulkan_tiles::name`
+/// runs each test on `vulkan_tiles_device()`.
+#[macro_export]
+macro_rules! tile_path_tests {
+    ($($name:ident),* $(,)?) => {
+        mod vulkan_tiles {
+            $(#[test] fn $name() {
+                if let Some(device) = super::common::vulkan_tiles_device() {
+                    super::$name(&device);
+                    super::common::assert_no_validation_messages(&device);
                 }
             })*
         }

@@ -70,6 +70,7 @@ pub enum Origin {
 
 /// The cubin of kernel file `index` for `arch`: from memory, else from disk, else compiled.
 pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -> Result<(Arc<Vec<u8>>, Origin)> {
+    let source = cuda_source(file)?;
     let key = (index, arch.to_string());
     if let Some(found) = memory_cache().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((found.clone(), Origin::Memory));
@@ -77,7 +78,7 @@ pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -
     let options = options(arch);
     let (major, minor) = nvrtc_version()?;
     let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-    let hash = fnv64(&[file.cuda_source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
+    let hash = fnv64(&[source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
     let path = disk_path(file, hash);
     let (bytes, origin) = match path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| looks_like_elf(b)) {
         Some(bytes) => (bytes, Origin::Disk),
@@ -92,6 +93,13 @@ pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -
     let bytes = Arc::new(bytes);
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).insert(key, bytes.clone());
     Ok((bytes, origin))
+}
+
+/// The CUDA C++ of a kernel file; an error for a SPIR-V-only file.
+fn cuda_source(file: &KernelFile) -> Result<&'static str> {
+    file.cuda_source.ok_or_else(|| {
+        Error::Dispatch(format!("kernel file `{}` is compiled for Vulkan only (`// targets: spirv`)", file.name))
+    })
 }
 
 /// Compiles one kernel file for `arch` without a device or caches: the check CI runs wherever
@@ -109,9 +117,9 @@ pub fn nvrtc_present() -> bool {
 /// Forgets a cubin that failed to load, in memory and on disk, so that the next call recompiles.
 pub fn forget(index: usize, file: &KernelFile, arch: &str, driver_version: i32) {
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).remove(&(index, arch.to_string()));
-    if let Ok((major, minor)) = nvrtc_version() {
+    if let (Ok((major, minor)), Some(source)) = (nvrtc_version(), file.cuda_source) {
         let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-        let hash = fnv64(&[file.cuda_source.as_bytes(), options(arch).join(" ").as_bytes(), versions.as_bytes()]);
+        let hash = fnv64(&[source.as_bytes(), options(arch).join(" ").as_bytes(), versions.as_bytes()]);
         if let Some(path) = disk_path(file, hash) {
             let _ = std::fs::remove_file(path);
         }
@@ -139,7 +147,8 @@ fn nvrtc_failure(file: &KernelFile, options: &[String], log: String) -> Error {
 
 /// Compiles one kernel file to a cubin.
 fn compile(file: &KernelFile, options: &[String]) -> Result<Vec<u8>> {
-    let source = CString::new(file.cuda_source).map_err(|_| nvrtc_failure(file, options, "source has a NUL".into()))?;
+    let source =
+        CString::new(cuda_source(file)?).map_err(|_| nvrtc_failure(file, options, "source has a NUL".into()))?;
     let name =
         CString::new(format!("{}.cu", file.name)).map_err(|_| nvrtc_failure(file, options, "bad name".into()))?;
     let option_strings: Vec<CString> = options.iter().filter_map(|o| CString::new(o.as_str()).ok()).collect();

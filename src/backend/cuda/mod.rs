@@ -207,7 +207,7 @@ impl CudaGpu {
         let started = Instant::now();
         let mut times = StartTimes { compiled: 0, from_disk: 0, from_memory: 0, elapsed: Duration::ZERO };
         let mut state = shared.lock()?;
-        for index in 0..KERNEL_FILES.len() {
+        for index in (0..KERNEL_FILES.len()).filter(|&i| KERNEL_FILES[i].cuda_source.is_some()) {
             match shared.module(&mut state, index)? {
                 Some(compile::Origin::Compiled) => times.compiled += 1,
                 Some(compile::Origin::Disk) => times.from_disk += 1,

@@ -10,6 +10,7 @@
 //! slower than the same kernels through CUDA (docs/PERFORMANCE.md, run 6).
 
 pub mod pipeline_cache;
+pub mod tensor_cores;
 
 use std::collections::HashMap;
 use std::ffi::{c_void, CStr, CString};
@@ -22,7 +23,7 @@ use gpu_allocator::vulkan::{Allocation, AllocationCreateDesc, AllocationScheme, 
 use gpu_allocator::MemoryLocation;
 
 use crate::error::{Error, Result};
-use crate::gpu::{Dispatch, Gpu, GpuBuffer, SlotOwner, MAX_PUSH_CONSTANT_BYTES};
+use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath, SlotOwner, MAX_PUSH_CONSTANT_BYTES};
 use crate::kernels::{KernelRef, KERNEL_FILES, SHADER_SET_HASH};
 use pipeline_cache::CacheKey;
 
@@ -58,6 +59,8 @@ pub struct DeviceReport {
     pub driver: String,
     /// Why the device cannot be used; empty when it can.
     pub missing: Vec<String>,
+    /// Whether the tensor-core kernels can run, else what the device lacks for them.
+    pub tensor_cores: tensor_cores::Support,
 }
 
 /// Validation-layer warnings and errors seen since the instance was made.
@@ -125,6 +128,9 @@ struct Shared {
     description: String,
     statistics: Option<ash::khr::pipeline_executable_properties::Device>,
     is_cpu: bool,
+    /// The matrix paths the device can take, and the one the ops take.
+    matrix_paths: Vec<MatrixPath>,
+    matrix_path: MatrixPath,
     max_buffer_bytes: u64,
     timestamp_period_ns: f64,
     timestamp_mask: u64,
@@ -304,7 +310,7 @@ fn required_features_missing(
     missing
 }
 
-fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
+fn survey(entry: &ash::Entry, instance: &ash::Instance) -> Result<Vec<Candidate>> {
     // SAFETY: queries on a valid instance.
     let physicals = unsafe { instance.enumerate_physical_devices() }.map_err(vk_error("vkEnumeratePhysicalDevices"))?;
     let mut candidates = Vec::new();
@@ -340,6 +346,12 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
         if properties.limits.max_push_constants_size < MAX_PUSH_CONSTANT_BYTES as u32 {
             missing.push(format!("{MAX_PUSH_CONSTANT_BYTES} bytes of push constants"));
         }
+        let extensions: Vec<String> = unsafe { instance.enumerate_device_extension_properties(physical) }
+            .map_err(vk_error("vkEnumerateDeviceExtensionProperties"))?
+            .iter()
+            .map(|e| c_chars(&e.extension_name))
+            .collect();
+        let tensor_cores = tensor_cores::survey(entry, instance, physical, properties.api_version, &extensions);
         candidates.push(Candidate {
             physical,
             device_type: properties.device_type,
@@ -351,6 +363,7 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
                 api_version: version_string(properties.api_version),
                 driver: driver_text.trim().to_string(),
                 missing,
+                tensor_cores,
             },
         });
     }
@@ -360,7 +373,7 @@ fn survey(instance: &ash::Instance) -> Result<Vec<Candidate>> {
 /// Every Vulkan device on this machine, with what each lacks.
 pub fn list_devices() -> Result<Vec<DeviceReport>> {
     let parts = create_instance(false)?;
-    survey(&parts.instance).map(|c| c.into_iter().map(|c| c.report).collect())
+    survey(&parts._entry, &parts.instance).map(|c| c.into_iter().map(|c| c.report).collect())
 }
 
 fn choose(candidates: &[Candidate]) -> Result<usize> {
@@ -452,7 +465,7 @@ impl VulkanGpu {
 /// the command objects and the pipeline cache.
 fn open_device(parts: InstanceParts) -> Result<Shared> {
     let instance = &parts.instance;
-    let candidates = survey(instance)?;
+    let candidates = survey(&parts._entry, instance)?;
     let chosen = &candidates[choose(&candidates)?];
     let physical = chosen.physical;
     let queue_family = chosen
@@ -495,7 +508,26 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
     let priorities = [1.0f32];
     let queue_info =
         [vk::DeviceQueueCreateInfo::default().queue_family_index(queue_family).queue_priorities(&priorities)];
-    let mut f12 = vk::PhysicalDeviceVulkan12Features::default().buffer_device_address(true);
+    let has_tensor_cores = chosen.report.tensor_cores.is_ok();
+    let mut matrix_paths = vec![MatrixPath::Simt, MatrixPath::Emulated];
+    if has_tensor_cores {
+        matrix_paths.push(MatrixPath::TensorCores);
+    }
+    let matrix_path = MatrixPath::default_for(&matrix_paths, &chosen.report.name)?;
+    let mut f12 = vk::PhysicalDeviceVulkan12Features::default()
+        .buffer_device_address(true)
+        .vulkan_memory_model(has_tensor_cores)
+        .vulkan_memory_model_device_scope(has_tensor_cores);
+    let mut cooperative = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default().cooperative_matrix(true);
+    let mut bfloat16 = tensor_cores::ShaderBfloat16Features {
+        shader_bfloat16_type: vk::TRUE,
+        shader_bfloat16_cooperative_matrix: vk::TRUE,
+        ..Default::default()
+    };
+    if has_tensor_cores {
+        extensions.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+        extensions.push(c"VK_KHR_shader_bfloat16".as_ptr());
+    }
     let core_features = vk::PhysicalDeviceFeatures::default().shader_int64(true);
     let mut device_info = vk::DeviceCreateInfo::default()
         .queue_create_infos(&queue_info)
@@ -504,6 +536,9 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         .push_next(&mut f12);
     if pipeline_stats {
         device_info = device_info.push_next(&mut executable_properties);
+    }
+    if has_tensor_cores {
+        device_info = device_info.push_next(&mut cooperative).push_next(&mut bfloat16);
     }
     let device = unsafe { instance.create_device(physical, &device_info, None) }.map_err(vk_error("vkCreateDevice"))?;
     let build = || -> Result<(vk::DescriptorSetLayout, vk::PipelineLayout, vk::DescriptorPool, vk::DescriptorSet)> {
@@ -595,6 +630,7 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         chosen.report.driver
     );
     let is_cpu = chosen.device_type == vk::PhysicalDeviceType::CPU;
+
     let timestamp_bits = families[queue_family as usize].timestamp_valid_bits;
     let timestamp_mask = if timestamp_bits >= 64 { u64::MAX } else { (1u64 << timestamp_bits) - 1 };
     let timestamp_period_ns = f64::from(properties.limits.timestamp_period);
@@ -637,6 +673,8 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         description,
         statistics,
         is_cpu,
+        matrix_paths,
+        matrix_path,
         max_buffer_bytes,
         timestamp_period_ns,
         timestamp_mask,
@@ -1119,6 +1157,14 @@ impl Gpu for VulkanGpu {
 
     fn is_cpu(&self) -> bool {
         self.shared.is_cpu
+    }
+
+    fn matrix_paths(&self) -> Vec<MatrixPath> {
+        self.shared.matrix_paths.clone()
+    }
+
+    fn matrix_path(&self) -> MatrixPath {
+        self.shared.matrix_path
     }
 
     fn alloc(&self, elements: usize) -> Result<GpuBuffer> {
