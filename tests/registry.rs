@@ -5,6 +5,7 @@ mod common;
 
 use std::collections::BTreeSet;
 
+use mamba_kernels::gpu::MatrixPath;
 use mamba_kernels::kernels::KERNEL_FILES;
 use mamba_kernels::ops::OPS;
 use mamba_kernels::{BackendKind, Device};
@@ -43,21 +44,30 @@ fn op_names_are_unique() {
     assert_eq!(names.len(), OPS.len());
 }
 
-/// Each registered op's small example against the reference, on every available GPU backend; and
-/// together the ops' dispatches reach every entry point of every kernel file.
+/// Each registered op's small example against the reference, on every available GPU backend and
+/// every matrix path it offers; and together the ops' dispatches reach every entry point of every
+/// kernel file the backend compiles. The tensor-core entry points (SPIR-V-only files, names without
+/// `emulated`) are exempt on a device without tensor cores: their emulated twins stand in for them.
 fn every_entry_point_has_a_parity_case(device: &Device) {
     let Some(gpu) = device.gpu() else { return };
     let mut reached = BTreeSet::new();
-    for op in OPS {
-        for (inputs, scalars) in op.coverage_examples(3) {
-            let prepared = op.prepare(gpu, &inputs, &scalars).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
-            for dispatch in &prepared.recorded.dispatches {
-                reached.insert(dispatch.kernel.label());
+    let paths = gpu.matrix_paths();
+    for &path in &paths {
+        let on_path = device.with_matrix_path(path).expect("the device offers this path");
+        let Some(path_gpu) = on_path.gpu() else { return };
+        for op in OPS {
+            for (inputs, scalars) in op.coverage_examples(3) {
+                let prepared = op.prepare(path_gpu, &inputs, &scalars).unwrap_or_else(|e| panic!("{}: {e}", op.name()));
+                for dispatch in &prepared.recorded.dispatches {
+                    reached.insert(dispatch.kernel.label());
+                }
+                let check = |_: &str| common::PARAMETER_GRADIENT;
+                let context = format!("coverage example, {} path", path.name());
+                common::check_against_reference(&on_path, op.name(), &inputs, &scalars, &check, &context);
             }
-            let check = |_: &str| common::PARAMETER_GRADIENT;
-            common::check_against_reference(device, op.name(), &inputs, &scalars, &check, "coverage example");
         }
     }
+    let cuda = device.kind() == BackendKind::Cuda;
     // The bandwidth ceiling's copy kernel: it must copy exactly.
     let values: Vec<f32> = (0..4096).map(|i| i as f32 * 0.5 - 7.0).collect();
     let source = gpu.alloc(values.len()).expect("alloc");
@@ -68,7 +78,15 @@ fn every_entry_point_has_a_parity_case(device: &Device) {
     gpu.run(&[copy]).expect("copy");
     assert_eq!(gpu.download(&target).expect("download"), values);
     for file in KERNEL_FILES {
+        let spirv_only = file.cuda_source.is_none();
+        if cuda && spirv_only {
+            continue;
+        }
         for (entry, _) in file.entry_points.iter().zip(0..) {
+            let tensor_cores_only = spirv_only && !entry.name.contains("emulated");
+            if tensor_cores_only && !paths.contains(&MatrixPath::TensorCores) {
+                continue;
+            }
             let label = format!("{}::{}", file.name, entry.name);
             assert!(reached.contains(&label), "no registered op dispatches {label}");
         }

@@ -753,21 +753,27 @@ fn state_pass_groups(p: &SisoProblem) -> u64 {
 struct PathKernels {
     chunk_state: KernelRef,
     chunk_dstate: KernelRef,
+    chunk_fwd: KernelRef,
 }
 
 fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
-    use kernels::{mamba3_siso_mma_state as mma, mamba3_siso_state as simt};
+    use kernels::{mamba3_siso_chunk as chunk, mamba3_siso_mma_chunk as mma_chunk};
+    use kernels::{mamba3_siso_mma_state as mma_state, mamba3_siso_state as state};
     match gpu.matrix_path() {
-        MatrixPath::Simt => {
-            PathKernels { chunk_state: simt::MAMBA3_SISO_CHUNK_STATE, chunk_dstate: simt::MAMBA3_SISO_CHUNK_DSTATE }
-        }
+        MatrixPath::Simt => PathKernels {
+            chunk_state: state::MAMBA3_SISO_CHUNK_STATE,
+            chunk_dstate: state::MAMBA3_SISO_CHUNK_DSTATE,
+            chunk_fwd: chunk::MAMBA3_SISO_CHUNK_FWD,
+        },
         MatrixPath::TensorCores => PathKernels {
-            chunk_state: mma::MAMBA3_SISO_MMA_CHUNK_STATE,
-            chunk_dstate: mma::MAMBA3_SISO_MMA_CHUNK_DSTATE,
+            chunk_state: mma_state::MAMBA3_SISO_MMA_CHUNK_STATE,
+            chunk_dstate: mma_state::MAMBA3_SISO_MMA_CHUNK_DSTATE,
+            chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_CHUNK_FWD,
         },
         MatrixPath::Emulated => PathKernels {
-            chunk_state: mma::MAMBA3_SISO_MMA_EMULATED_CHUNK_STATE,
-            chunk_dstate: mma::MAMBA3_SISO_MMA_EMULATED_CHUNK_DSTATE,
+            chunk_state: mma_state::MAMBA3_SISO_MMA_EMULATED_CHUNK_STATE,
+            chunk_dstate: mma_state::MAMBA3_SISO_MMA_EMULATED_CHUNK_DSTATE,
+            chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_EMULATED_CHUNK_FWD,
         },
     }
 }
@@ -1006,11 +1012,7 @@ impl OpDef for SisoFwd {
         let (common, state_pass) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
         recorded.dispatches.push(state_pass);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_FWD,
-            (b * h * p.chunks()) as u64,
-            &push,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
         Ok(recorded)
     }
 
@@ -1413,6 +1415,7 @@ mod tests {
         check_push_layout::<SisoStatePush>(kernels::mamba3_siso_state::FILE).unwrap();
         check_push_layout::<SisoStatePush>(kernels::mamba3_siso_mma_state::FILE).unwrap();
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_chunk::FILE).unwrap();
+        check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_mma_chunk::FILE).unwrap();
         check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk::FILE).unwrap();
         check_push_layout::<SisoTailPush>(kernels::mamba3_siso_tail::FILE).unwrap();
     }
