@@ -28,7 +28,7 @@ pub enum MatrixPath {
 }
 
 /// Set to `simt`, `tensor-cores` or `emulated` to choose the matrix path of a device (the default
-/// is tensor cores where the device has them, else SIMT).
+/// is SIMT).
 pub const MATRIX_PATH_ENV: &str = "MAMBA_MATRIX_PATH";
 
 impl MatrixPath {
@@ -49,13 +49,14 @@ impl MatrixPath {
     }
 
     /// The path a device that can take `available` takes: `MAMBA_MATRIX_PATH` when set (an error
-    /// when the device cannot take it), else tensor cores where it has them, else SIMT.
+    /// when the device cannot take it), else SIMT. Tensor cores are opt-in until their kernels beat
+    /// the SIMT ones: on the H200 they do not yet (docs/PERFORMANCE.md, run 13).
     pub fn default_for(available: &[MatrixPath], device: &str) -> Result<Self> {
         if let Ok(text) = std::env::var(MATRIX_PATH_ENV) {
             let wanted = MatrixPath::parse(&text)?;
             return MatrixPath::check(wanted, available, device);
         }
-        Ok(if available.contains(&MatrixPath::TensorCores) { MatrixPath::TensorCores } else { MatrixPath::Simt })
+        Ok(MatrixPath::Simt)
     }
 
     /// `wanted`, or an error naming what the device offers.
