@@ -28,6 +28,10 @@ pub enum Error {
     )]
     TooLarge { op: String, tensor: String, bytes: u64, limit: u64, device: String },
 
+    /// A kernel that declares more workgroup (shared) memory than the device allows.
+    #[error("kernel {kernel} needs {bytes} bytes of workgroup memory, more than the {limit} bytes {device} allows")]
+    WorkgroupMemory { kernel: String, bytes: u64, limit: u64, device: String },
+
     /// The backend cannot be used on this machine.
     #[error("{backend} backend unavailable: {reason}")]
     DeviceUnavailable { backend: &'static str, reason: String },

@@ -27,6 +27,90 @@ pub struct EntryPoint {
     pub spirv: &'static [u8],
 }
 
+impl EntryPoint {
+    /// Bytes of workgroup (shared) memory the entry point declares: the sizes of the module's
+    /// `Workgroup` variables, counted from the SPIR-V (each module holds one entry point). A device
+    /// that allows less must refuse the kernel up front: NVIDIA's Vulkan driver loses the device
+    /// instead (docs/PERFORMANCE.md, run 13).
+    pub fn workgroup_memory_bytes(&self) -> u64 {
+        workgroup_memory_bytes(self.spirv)
+    }
+}
+
+/// Sums the sizes of the `Workgroup` variables of a SPIR-V module (natural alignment, no padding
+/// beyond it). Types it does not know count as 0.
+fn workgroup_memory_bytes(spirv: &[u8]) -> u64 {
+    const OP_TYPE_BOOL: u32 = 20;
+    const OP_TYPE_INT: u32 = 21;
+    const OP_TYPE_FLOAT: u32 = 22;
+    const OP_TYPE_VECTOR: u32 = 23;
+    const OP_TYPE_MATRIX: u32 = 24;
+    const OP_TYPE_ARRAY: u32 = 28;
+    const OP_TYPE_STRUCT: u32 = 30;
+    const OP_TYPE_POINTER: u32 = 32;
+    const OP_CONSTANT: u32 = 43;
+    const OP_VARIABLE: u32 = 59;
+    const WORKGROUP: u32 = 4;
+    use std::collections::HashMap;
+
+    let words: Vec<u32> = spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+    // (size, alignment) per type id; constant values; pointee type per pointer type id
+    let mut types: HashMap<u32, (u64, u64)> = HashMap::new();
+    let mut constants: HashMap<u32, u64> = HashMap::new();
+    let mut pointees: HashMap<u32, u32> = HashMap::new();
+    let mut total = 0u64;
+    let mut at = 5; // after the header
+    while at < words.len() {
+        let count = (words[at] >> 16) as usize;
+        let opcode = words[at] & 0xffff;
+        if count == 0 || at + count > words.len() {
+            break;
+        }
+        let operands = &words[at + 1..at + count];
+        let size_of = |id: u32| types.get(&id).copied().unwrap_or((0, 1));
+        match (opcode, operands) {
+            (OP_TYPE_BOOL, [id, ..]) => {
+                types.insert(*id, (4, 4));
+            }
+            (OP_TYPE_INT | OP_TYPE_FLOAT, [id, width, ..]) => {
+                let bytes = u64::from(*width / 8).max(1);
+                types.insert(*id, (bytes, bytes));
+            }
+            (OP_TYPE_VECTOR | OP_TYPE_MATRIX, [id, component, n, ..]) => {
+                let (size, align) = size_of(*component);
+                types.insert(*id, (size * u64::from(*n), align));
+            }
+            (OP_TYPE_ARRAY, [id, element, length, ..]) => {
+                let (size, align) = size_of(*element);
+                let n = constants.get(length).copied().unwrap_or(0);
+                types.insert(*id, (size.next_multiple_of(align) * n, align));
+            }
+            (OP_TYPE_STRUCT, [id, members @ ..]) => {
+                let (mut size, mut align) = (0u64, 1u64);
+                for member in members {
+                    let (member_size, member_align) = size_of(*member);
+                    size = size.next_multiple_of(member_align) + member_size;
+                    align = align.max(member_align);
+                }
+                types.insert(*id, (size.next_multiple_of(align), align));
+            }
+            (OP_TYPE_POINTER, [id, _class, pointee, ..]) => {
+                pointees.insert(*id, *pointee);
+            }
+            (OP_CONSTANT, [_type, id, value, ..]) => {
+                constants.insert(*id, u64::from(*value));
+            }
+            (OP_VARIABLE, [pointer_type, _id, WORKGROUP, ..]) => {
+                let pointee = pointees.get(pointer_type).copied().unwrap_or(0);
+                total += size_of(pointee).0;
+            }
+            _ => {}
+        }
+        at += count;
+    }
+    total
+}
+
 /// A handle to one entry point: indices into [`KERNEL_FILES`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelRef {

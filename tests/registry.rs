@@ -107,3 +107,29 @@ fn cuda_every_entry_point_has_a_parity_case() {
         every_entry_point_has_a_parity_case(&device);
     }
 }
+
+/// The workgroup memory counted from SPIR-V (what the Vulkan backend checks against the device's
+/// limit) matches what the H200 reported: NVRTC's static shared memory for the SIMT chunk kernel,
+/// NVIDIA Vulkan's pipeline statistics for the tile kernel (docs/PERFORMANCE.md, run 13); and every
+/// kernel fits lavapipe's 32 KiB.
+#[test]
+fn workgroup_memory_is_counted_from_spirv() {
+    let bytes = |file: &str, entry: &str| {
+        KERNEL_FILES
+            .iter()
+            .find(|f| f.name == file)
+            .and_then(|f| f.entry_points.iter().find(|e| e.name == entry))
+            .map(|e| e.workgroup_memory_bytes())
+            .unwrap_or_else(|| panic!("no entry point {file}::{entry}"))
+    };
+    assert_eq!(bytes("mamba3_siso_mma_state", "mamba3_siso_mma_chunk_state"), 26880);
+    assert_eq!(bytes("mamba3_siso_mma_state", "mamba3_siso_mma_emulated_chunk_dstate"), 26880);
+    assert_eq!(bytes("mamba3_siso_chunk", "mamba3_siso_chunk_fwd"), 23808);
+    assert_eq!(bytes("copy", "copy_f32x4"), 0);
+    for file in KERNEL_FILES {
+        for entry in file.entry_points {
+            let used = entry.workgroup_memory_bytes();
+            assert!(used <= 32768, "{}::{}: {used} bytes of workgroup memory", file.name, entry.name);
+        }
+    }
+}

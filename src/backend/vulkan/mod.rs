@@ -132,6 +132,8 @@ struct Shared {
     matrix_paths: Vec<MatrixPath>,
     matrix_path: MatrixPath,
     max_buffer_bytes: u64,
+    /// `maxComputeSharedMemorySize`: kernels that declare more are refused.
+    max_workgroup_memory: u64,
     timestamp_period_ns: f64,
     timestamp_mask: u64,
     set_layout: vk::DescriptorSetLayout,
@@ -676,6 +678,7 @@ fn open_device(parts: InstanceParts) -> Result<Shared> {
         matrix_paths,
         matrix_path,
         max_buffer_bytes,
+        max_workgroup_memory: u64::from(properties.limits.max_compute_shared_memory_size),
         timestamp_period_ns,
         timestamp_mask,
         set_layout,
@@ -809,6 +812,15 @@ impl Shared {
             .entry_points
             .get(kernel.entry)
             .ok_or_else(|| Error::Dispatch(format!("{} has no entry {}", file.name, kernel.entry)))?;
+        let workgroup_bytes = entry.workgroup_memory_bytes();
+        if workgroup_bytes > self.max_workgroup_memory {
+            return Err(Error::WorkgroupMemory {
+                kernel: kernel.label(),
+                bytes: workgroup_bytes,
+                limit: self.max_workgroup_memory,
+                device: self.description.clone(),
+            });
+        }
         let module = match state.modules.get(&kernel) {
             Some(&m) => m,
             None => {
