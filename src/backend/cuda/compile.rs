@@ -24,18 +24,42 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// The options every kernel file is compiled with: the device's architecture, IEEE division and
+/// The options a kernel file is compiled with: the device's architecture, IEEE division and
 /// square root, no flushing of denormals, no fast math (it breaks gradient flow through long
-/// recurrences), contraction into FMA allowed (fixed per compile, so still deterministic).
-pub fn options(arch: &str) -> Vec<String> {
-    vec![
+/// recurrences), contraction into FMA allowed (fixed per compile, so still deterministic), and the
+/// file's register cap if it has one.
+pub fn options(file: &KernelFile, arch: &str) -> Vec<String> {
+    let mut options = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "--ftz=false".into(),
         "--prec-div=true".into(),
         "--prec-sqrt=true".into(),
         "--fmad=true".into(),
-    ]
+    ];
+    if let Some(cap) = register_cap(file.name) {
+        options.push(format!("--maxrregcount={cap}"));
+    }
+    options
+}
+
+/// Register caps per kernel file. NVRTC gives the SISO chunk kernels 147-183 registers, so one
+/// 256-thread block fits an SM; at 128 two fit, as NVIDIA's Vulkan compiler chooses for the same
+/// kernels (docs/PERFORMANCE.md, run 13).
+const REGISTER_CAPS: &[(&str, u32)] =
+    &[("mamba3_siso_chunk", 128), ("mamba3_siso_dqk", 128), ("mamba3_siso_state", 128)];
+
+/// Overrides the register caps for tuning: `file=N,file=N` (N = 0 removes a file's cap).
+pub const MAX_REGISTERS_ENV: &str = "MAMBA_CUDA_MAX_REGISTERS";
+
+fn register_cap(file: &str) -> Option<u32> {
+    if let Ok(text) = std::env::var(MAX_REGISTERS_ENV) {
+        let named = text.split(',').filter_map(|item| item.split_once('=')).find(|(name, _)| name.trim() == file);
+        if let Some((_, value)) = named {
+            return value.trim().parse::<u32>().ok().filter(|&cap| cap > 0);
+        }
+    }
+    REGISTER_CAPS.iter().find(|(name, _)| *name == file).map(|&(_, cap)| cap)
 }
 
 fn fnv64(parts: &[&[u8]]) -> u64 {
@@ -75,7 +99,7 @@ pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -
     if let Some(found) = memory_cache().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((found.clone(), Origin::Memory));
     }
-    let options = options(arch);
+    let options = options(file, arch);
     let (major, minor) = nvrtc_version()?;
     let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
     let hash = fnv64(&[source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
@@ -105,7 +129,7 @@ fn cuda_source(file: &KernelFile) -> Result<&'static str> {
 /// Compiles one kernel file for `arch` without a device or caches: the check CI runs wherever
 /// NVRTC loads, so that CUDA code generation problems show up without a GPU.
 pub fn check_compiles(file: &KernelFile, arch: &str) -> Result<usize> {
-    compile(file, &options(arch)).map(|cubin| cubin.len())
+    compile(file, &options(file, arch)).map(|cubin| cubin.len())
 }
 
 /// Whether NVRTC can be loaded on this machine.
@@ -119,7 +143,7 @@ pub fn forget(index: usize, file: &KernelFile, arch: &str, driver_version: i32) 
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).remove(&(index, arch.to_string()));
     if let (Ok((major, minor)), Some(source)) = (nvrtc_version(), file.cuda_source) {
         let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-        let hash = fnv64(&[source.as_bytes(), options(arch).join(" ").as_bytes(), versions.as_bytes()]);
+        let hash = fnv64(&[source.as_bytes(), options(file, arch).join(" ").as_bytes(), versions.as_bytes()]);
         if let Some(path) = disk_path(file, hash) {
             let _ = std::fs::remove_file(path);
         }
