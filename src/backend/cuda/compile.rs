@@ -24,42 +24,59 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// The options a kernel file is compiled with: the device's architecture, IEEE division and
+/// The options every kernel file is compiled with: the device's architecture, IEEE division and
 /// square root, no flushing of denormals, no fast math (it breaks gradient flow through long
-/// recurrences), contraction into FMA allowed (fixed per compile, so still deterministic), and the
-/// file's register cap if it has one.
-pub fn options(file: &KernelFile, arch: &str) -> Vec<String> {
-    let mut options = vec![
+/// recurrences), contraction into FMA allowed (fixed per compile, so still deterministic).
+pub fn options(arch: &str) -> Vec<String> {
+    vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".into(),
         "--ftz=false".into(),
         "--prec-div=true".into(),
         "--prec-sqrt=true".into(),
         "--fmad=true".into(),
-    ];
-    if let Some(cap) = register_cap(file.name) {
-        options.push(format!("--maxrregcount={cap}"));
-    }
-    options
+    ]
 }
 
-/// Register caps per kernel file. NVRTC gives the SISO chunk kernels 147-183 registers, so one
-/// 256-thread block fits an SM; at 128 two fit, as NVIDIA's Vulkan compiler chooses for the same
-/// kernels (docs/PERFORMANCE.md, run 13).
-const REGISTER_CAPS: &[(&str, u32)] =
-    &[("mamba3_siso_chunk", 128), ("mamba3_siso_dqk", 128), ("mamba3_siso_state", 128)];
+/// Occupancy targets, `__launch_bounds__(threads, blocks)` on these entry points: NVRTC gave them
+/// more registers than `blocks` workgroups per SM leave (147-183 for the SISO chunk kernels, one
+/// block per SM; 104 for the conv1d backward, two), where NVIDIA's Vulkan compiler keeps the same
+/// kernels at 128 and 64 registers. Measured in docs/PERFORMANCE.md, run 13.
+const MIN_BLOCKS: &[(&str, &str, u32)] = &[
+    ("mamba3_siso_state", "mamba3_siso_chunk_state", 2),
+    ("mamba3_siso_state", "mamba3_siso_chunk_dstate", 2),
+    ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd", 2),
+    ("mamba3_siso_dqk", "mamba3_siso_dqk", 2),
+    ("causal_conv1d", "causal_conv1d_bwd_upto4", 4),
+    ("rmsnorm", "rmsnorm_bwd_resident", 2),
+];
 
-/// Overrides the register caps for tuning: `file=N,file=N` (N = 0 removes a file's cap).
-pub const MAX_REGISTERS_ENV: &str = "MAMBA_CUDA_MAX_REGISTERS";
+/// Overrides the occupancy targets for tuning: `entry=N,entry=N` (N = 0 removes an entry's).
+pub const MIN_BLOCKS_ENV: &str = "MAMBA_CUDA_MIN_BLOCKS";
 
-fn register_cap(file: &str) -> Option<u32> {
-    if let Ok(text) = std::env::var(MAX_REGISTERS_ENV) {
-        let named = text.split(',').filter_map(|item| item.split_once('=')).find(|(name, _)| name.trim() == file);
+fn min_blocks(file: &str, entry: &str) -> Option<u32> {
+    if let Ok(text) = std::env::var(MIN_BLOCKS_ENV) {
+        let named = text.split(',').filter_map(|item| item.split_once('=')).find(|(name, _)| name.trim() == entry);
         if let Some((_, value)) = named {
-            return value.trim().parse::<u32>().ok().filter(|&cap| cap > 0);
+            return value.trim().parse::<u32>().ok().filter(|&blocks| blocks > 0);
         }
     }
-    REGISTER_CAPS.iter().find(|(name, _)| *name == file).map(|&(_, cap)| cap)
+    MIN_BLOCKS.iter().find(|(f, e, _)| *f == file && *e == entry).map(|&(_, _, blocks)| blocks)
+}
+
+/// The CUDA C++ NVRTC compiles: Slang's, with the occupancy targets written into the signatures.
+fn launch_source(file: &KernelFile) -> Result<String> {
+    let mut source = cuda_source(file)?.to_string();
+    for entry in file.entry_points {
+        if let Some(blocks) = min_blocks(file.name, entry.name) {
+            let threads: u32 = entry.threads.iter().product();
+            let signature = format!("extern \"C\" __global__ void {}(", entry.name);
+            let bounded =
+                format!("extern \"C\" __global__ void __launch_bounds__({threads}, {blocks}) {}(", entry.name);
+            source = source.replacen(&signature, &bounded, 1);
+        }
+    }
+    Ok(source)
 }
 
 fn fnv64(parts: &[&[u8]]) -> u64 {
@@ -94,12 +111,12 @@ pub enum Origin {
 
 /// The cubin of kernel file `index` for `arch`: from memory, else from disk, else compiled.
 pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -> Result<(Arc<Vec<u8>>, Origin)> {
-    let source = cuda_source(file)?;
+    let source = launch_source(file)?;
     let key = (index, arch.to_string());
     if let Some(found) = memory_cache().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((found.clone(), Origin::Memory));
     }
-    let options = options(file, arch);
+    let options = options(arch);
     let (major, minor) = nvrtc_version()?;
     let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
     let hash = fnv64(&[source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
@@ -107,7 +124,7 @@ pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -
     let (bytes, origin) = match path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| looks_like_elf(b)) {
         Some(bytes) => (bytes, Origin::Disk),
         None => {
-            let bytes = compile(file, &options)?;
+            let bytes = compile(file, &source, &options)?;
             if let Some(path) = &path {
                 store(path, &bytes);
             }
@@ -129,7 +146,7 @@ fn cuda_source(file: &KernelFile) -> Result<&'static str> {
 /// Compiles one kernel file for `arch` without a device or caches: the check CI runs wherever
 /// NVRTC loads, so that CUDA code generation problems show up without a GPU.
 pub fn check_compiles(file: &KernelFile, arch: &str) -> Result<usize> {
-    compile(file, &options(file, arch)).map(|cubin| cubin.len())
+    compile(file, &launch_source(file)?, &options(arch)).map(|cubin| cubin.len())
 }
 
 /// Whether NVRTC can be loaded on this machine.
@@ -141,9 +158,9 @@ pub fn nvrtc_present() -> bool {
 /// Forgets a cubin that failed to load, in memory and on disk, so that the next call recompiles.
 pub fn forget(index: usize, file: &KernelFile, arch: &str, driver_version: i32) {
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).remove(&(index, arch.to_string()));
-    if let (Ok((major, minor)), Some(source)) = (nvrtc_version(), file.cuda_source) {
+    if let (Ok((major, minor)), Ok(source)) = (nvrtc_version(), launch_source(file)) {
         let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-        let hash = fnv64(&[source.as_bytes(), options(file, arch).join(" ").as_bytes(), versions.as_bytes()]);
+        let hash = fnv64(&[source.as_bytes(), options(arch).join(" ").as_bytes(), versions.as_bytes()]);
         if let Some(path) = disk_path(file, hash) {
             let _ = std::fs::remove_file(path);
         }
@@ -169,10 +186,9 @@ fn nvrtc_failure(file: &KernelFile, options: &[String], log: String) -> Error {
     Error::Nvrtc { kernel: file.name.to_string(), options: options.to_vec(), log }
 }
 
-/// Compiles one kernel file to a cubin.
-fn compile(file: &KernelFile, options: &[String]) -> Result<Vec<u8>> {
-    let source =
-        CString::new(cuda_source(file)?).map_err(|_| nvrtc_failure(file, options, "source has a NUL".into()))?;
+/// Compiles one kernel file's (launch) source to a cubin.
+fn compile(file: &KernelFile, source: &str, options: &[String]) -> Result<Vec<u8>> {
+    let source = CString::new(source).map_err(|_| nvrtc_failure(file, options, "source has a NUL".into()))?;
     let name =
         CString::new(format!("{}.cu", file.name)).map_err(|_| nvrtc_failure(file, options, "bad name".into()))?;
     let option_strings: Vec<CString> = options.iter().filter_map(|o| CString::new(o.as_str()).ok()).collect();
@@ -236,4 +252,24 @@ unsafe fn program_log(program: nvrtc::nvrtcProgram) -> String {
         return String::new();
     }
     String::from_utf8_lossy(&log).trim_end_matches('\0').trim().to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::KERNEL_FILES;
+
+    /// Every occupancy target names an entry point that exists, and lands in its signature (a
+    /// rename would otherwise drop it silently).
+    #[test]
+    fn occupancy_targets_reach_their_signatures() {
+        for &(file_name, entry_name, blocks) in MIN_BLOCKS {
+            let file = KERNEL_FILES.iter().find(|f| f.name == file_name).expect("kernel file of a target");
+            let entry = file.entry_points.iter().find(|e| e.name == entry_name).expect("entry point of a target");
+            let threads: u32 = entry.threads.iter().product();
+            let source = launch_source(file).expect("CUDA source");
+            let bounded = format!("__global__ void __launch_bounds__({threads}, {blocks}) {entry_name}(");
+            assert!(source.contains(&bounded), "{file_name}: no `{bounded}`");
+        }
+    }
 }
