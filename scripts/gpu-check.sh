@@ -39,6 +39,9 @@ for step in $steps; do
       dmon=$!
       echo "== bench: Vulkan (with the driver's pipeline statistics) =="
       MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan --repeats 20 --detail
+      echo "== bench: Vulkan, SISO scan on the tensor-core path (opt-in) =="
+      MAMBA_MATRIX_PATH=tensor-cores MAMBA_VK_PIPELINE_STATS=1 "$run" bench --backend vulkan \
+        --ops mamba3_siso_fwd,mamba3_siso_bwd --repeats 20 --detail
       echo "== bench: CUDA =="
       "$run" bench --backend cuda --repeats 20 --detail
       kill "$dmon" 2>/dev/null
