@@ -148,8 +148,7 @@ impl OpDef for RmsNormBwd {
         let rstd = inverse_rms(x, p.n, p.eps);
         let mut dx = vec![0.0; p.rows * p.n];
         let mut dweight = vec![0.0; p.n];
-        for row in 0..p.rows {
-            let r = rstd[row];
+        for (row, &r) in rstd.iter().enumerate().take(p.rows) {
             let base = row * p.n;
             let u = |j: usize| dy[base + j] * weight.map_or(1.0, |w| w[j]);
             let dot: f64 = (0..p.n).map(|j| u(j) * x[base + j]).sum();
