@@ -28,18 +28,23 @@ pub struct EntryPoint {
 }
 
 impl EntryPoint {
+    /// The SPIR-V as 32-bit words (what `vkCreateShaderModule` takes).
+    pub fn spirv_words(&self) -> Vec<u32> {
+        self.spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
     /// Bytes of workgroup (shared) memory the entry point declares: the sizes of the module's
     /// `Workgroup` variables, counted from the SPIR-V (each module holds one entry point). A device
     /// that allows less must refuse the kernel up front: NVIDIA's Vulkan driver loses the device
     /// instead (docs/PERFORMANCE.md, run 13).
     pub fn workgroup_memory_bytes(&self) -> u64 {
-        workgroup_memory_bytes(self.spirv)
+        workgroup_memory_bytes(&self.spirv_words())
     }
 }
 
 /// Sums the sizes of the `Workgroup` variables of a SPIR-V module (natural alignment, no padding
 /// beyond it). Types it does not know count as 0.
-fn workgroup_memory_bytes(spirv: &[u8]) -> u64 {
+pub(crate) fn workgroup_memory_bytes(words: &[u32]) -> u64 {
     const OP_TYPE_BOOL: u32 = 20;
     const OP_TYPE_INT: u32 = 21;
     const OP_TYPE_FLOAT: u32 = 22;
@@ -53,7 +58,6 @@ fn workgroup_memory_bytes(spirv: &[u8]) -> u64 {
     const WORKGROUP: u32 = 4;
     use std::collections::HashMap;
 
-    let words: Vec<u32> = spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
     // (size, alignment) per type id; constant values; pointee type per pointer type id
     let mut types: HashMap<u32, (u64, u64)> = HashMap::new();
     let mut constants: HashMap<u32, u64> = HashMap::new();

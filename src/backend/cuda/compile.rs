@@ -90,6 +90,13 @@ fn fnv64(parts: &[&[u8]]) -> u64 {
     hash
 }
 
+/// The disk cache's key for a cubin: its source, options and the driver and NVRTC versions.
+fn disk_key(source: &str, options: &[String], driver_version: i32) -> Result<u64> {
+    let (major, minor) = nvrtc_version()?;
+    let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
+    Ok(fnv64(&[source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]))
+}
+
 fn disk_path(file: &KernelFile, key: u64) -> Option<PathBuf> {
     crate::backend::cache_dir().map(|dir| dir.join("cuda").join(format!("{}-{key:016x}.cubin", file.name)))
 }
@@ -111,16 +118,13 @@ pub enum Origin {
 
 /// The cubin of kernel file `index` for `arch`: from memory, else from disk, else compiled.
 pub fn cubin(index: usize, file: &KernelFile, arch: &str, driver_version: i32) -> Result<(Arc<Vec<u8>>, Origin)> {
-    let source = launch_source(file)?;
     let key = (index, arch.to_string());
     if let Some(found) = memory_cache().lock().unwrap_or_else(|p| p.into_inner()).get(&key) {
         return Ok((found.clone(), Origin::Memory));
     }
+    let source = launch_source(file)?;
     let options = options(arch);
-    let (major, minor) = nvrtc_version()?;
-    let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-    let hash = fnv64(&[source.as_bytes(), options.join(" ").as_bytes(), versions.as_bytes()]);
-    let path = disk_path(file, hash);
+    let path = disk_path(file, disk_key(&source, &options, driver_version)?);
     let (bytes, origin) = match path.as_ref().and_then(|p| std::fs::read(p).ok()).filter(|b| looks_like_elf(b)) {
         Some(bytes) => (bytes, Origin::Disk),
         None => {
@@ -158,10 +162,9 @@ pub fn nvrtc_present() -> bool {
 /// Forgets a cubin that failed to load, in memory and on disk, so that the next call recompiles.
 pub fn forget(index: usize, file: &KernelFile, arch: &str, driver_version: i32) {
     memory_cache().lock().unwrap_or_else(|p| p.into_inner()).remove(&(index, arch.to_string()));
-    if let (Ok((major, minor)), Ok(source)) = (nvrtc_version(), launch_source(file)) {
-        let versions = format!("driver {driver_version} nvrtc {major}.{minor}");
-        let hash = fnv64(&[source.as_bytes(), options(arch).join(" ").as_bytes(), versions.as_bytes()]);
-        if let Some(path) = disk_path(file, hash) {
+    if let Ok(source) = launch_source(file) {
+        let key = disk_key(&source, &options(arch), driver_version);
+        if let Some(path) = key.ok().and_then(|key| disk_path(file, key)) {
             let _ = std::fs::remove_file(path);
         }
     }

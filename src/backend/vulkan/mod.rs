@@ -812,7 +812,8 @@ impl Shared {
             .entry_points
             .get(kernel.entry)
             .ok_or_else(|| Error::Dispatch(format!("{} has no entry {}", file.name, kernel.entry)))?;
-        let workgroup_bytes = entry.workgroup_memory_bytes();
+        let words = entry.spirv_words();
+        let workgroup_bytes = crate::kernels::workgroup_memory_bytes(&words);
         if workgroup_bytes > self.max_workgroup_memory {
             return Err(Error::WorkgroupMemory {
                 kernel: kernel.label(),
@@ -824,8 +825,6 @@ impl Shared {
         let module = match state.modules.get(&kernel) {
             Some(&m) => m,
             None => {
-                let words: Vec<u32> =
-                    entry.spirv.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
                 let info = vk::ShaderModuleCreateInfo::default().code(&words);
                 // SAFETY: build.rs produced this SPIR-V with slangc.
                 let module = unsafe { self.device.create_shader_module(&info, None) }
