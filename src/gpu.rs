@@ -73,6 +73,49 @@ impl MatrixPath {
     }
 }
 
+/// How the Mamba-3 SISO scan carries states from chunk to chunk (SIMT matrix path).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StatePassing {
+    /// `Fused` where its B·H·tiles workgroups fill a GPU, else `Split`.
+    Auto,
+    /// One kernel per direction: a workgroup per (b, h, state tile) walks the chunks with the
+    /// running state in registers, so the chunks' own states never go through memory.
+    Fused,
+    /// A workgroup per (b, h, chunk, state tile) for the chunks' own states, then an element-wise
+    /// pass over the chunks: parallel over chunks as well, for small B·H.
+    Split,
+}
+
+/// Set to `auto`, `fused` or `split` to choose how the SISO scan passes states (default `auto`).
+pub const STATE_PASSING_ENV: &str = "MAMBA_SISO_STATE_PASSING";
+
+impl StatePassing {
+    pub const ALL: [StatePassing; 3] = [StatePassing::Auto, StatePassing::Fused, StatePassing::Split];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            StatePassing::Auto => "auto",
+            StatePassing::Fused => "fused",
+            StatePassing::Split => "split",
+        }
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        StatePassing::ALL
+            .into_iter()
+            .find(|p| p.name() == text.trim())
+            .ok_or_else(|| Error::Dispatch(format!("{STATE_PASSING_ENV}={text:?}: expected auto, fused or split")))
+    }
+
+    /// `MAMBA_SISO_STATE_PASSING` when set (an error when it names no choice), else `Auto`.
+    pub fn from_env() -> Result<Self> {
+        match std::env::var(STATE_PASSING_ENV) {
+            Ok(text) => StatePassing::parse(&text),
+            Err(_) => Ok(StatePassing::Auto),
+        }
+    }
+}
+
 /// A GPU backend. Every method is synchronous from the caller's point of view.
 pub trait Gpu: Send + Sync {
     /// `"vulkan"` or `"cuda"`.
@@ -100,6 +143,10 @@ pub trait Gpu: Send + Sync {
     /// The matrix path the ops take on this device.
     fn matrix_path(&self) -> MatrixPath {
         MatrixPath::Simt
+    }
+    /// How the SISO scan passes states between chunks on this device.
+    fn state_passing(&self) -> StatePassing {
+        StatePassing::Auto
     }
 }
 

@@ -433,3 +433,10 @@ tile_path_tests!(
     bitwise_deterministic,
     bad_input_is_refused
 );
+
+state_passing_tests!(
+    forward_and_backward_match_reference,
+    chunk_size_only_tunes,
+    state_continuation,
+    bitwise_deterministic
+);

@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath};
+use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath, StatePassing};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -85,11 +85,16 @@ impl Device {
     }
 
     /// Opens a backend: for Vulkan the device `MAMBA_VK_DEVICE` names or the best one found.
+    /// `MAMBA_SISO_STATE_PASSING`, when set, chooses how the SISO scan passes states.
     pub fn open(kind: BackendKind) -> Result<Self> {
-        match kind {
-            BackendKind::Cpu => Ok(Device::cpu()),
-            BackendKind::Vulkan => Self::vulkan(),
-            BackendKind::Cuda => Self::cuda(),
+        let device = match kind {
+            BackendKind::Cpu => return Ok(Device::cpu()),
+            BackendKind::Vulkan => Self::vulkan()?,
+            BackendKind::Cuda => Self::cuda()?,
+        };
+        match StatePassing::from_env()? {
+            StatePassing::Auto => Ok(device),
+            chosen => device.with_state_passing(chosen),
         }
     }
 
@@ -141,16 +146,29 @@ impl Device {
     /// The same device taking matrix path `path` (an error if it cannot): tests and benchmarks
     /// compare the paths on one device.
     pub fn with_matrix_path(&self, path: MatrixPath) -> Result<Device> {
-        let Some(gpu) = &self.gpu else {
-            return Err(Error::DeviceUnavailable {
-                backend: "cpu",
-                reason: "the CPU reference has no matrix paths".into(),
-            });
-        };
+        let gpu = self.gpu_for_choice("matrix paths")?;
         MatrixPath::check(path, &gpu.matrix_paths(), &gpu.device_name())?;
+        Ok(self.with_choices(Choices { inner: gpu.clone(), path, state_passing: gpu.state_passing() }))
+    }
+
+    /// The same device passing SISO scan states as `passing` says: tests run both ways on one
+    /// device whatever the shape, benchmarks compare them.
+    pub fn with_state_passing(&self, passing: StatePassing) -> Result<Device> {
+        let gpu = self.gpu_for_choice("state passing")?;
+        Ok(self.with_choices(Choices { inner: gpu.clone(), path: gpu.matrix_path(), state_passing: passing }))
+    }
+
+    fn gpu_for_choice(&self, what: &str) -> Result<&Arc<dyn Gpu>> {
+        self.gpu.as_ref().ok_or_else(|| Error::DeviceUnavailable {
+            backend: "cpu",
+            reason: format!("the CPU reference has no {what} to choose"),
+        })
+    }
+
+    fn with_choices(&self, choices: Choices) -> Device {
         let mut device = self.clone();
-        device.gpu = Some(Arc::new(PathChoice { inner: gpu.clone(), path }) as Arc<dyn Gpu>);
-        Ok(device)
+        device.gpu = Some(Arc::new(choices) as Arc<dyn Gpu>);
+        device
     }
 
     /// The device in words.
@@ -168,13 +186,14 @@ impl fmt::Debug for Device {
     }
 }
 
-/// A device with another matrix path: every call goes to the device itself.
-struct PathChoice {
+/// A device with another matrix path or state passing: every call goes to the device itself.
+struct Choices {
     inner: Arc<dyn Gpu>,
     path: MatrixPath,
+    state_passing: StatePassing,
 }
 
-impl Gpu for PathChoice {
+impl Gpu for Choices {
     fn backend(&self) -> &'static str {
         self.inner.backend()
     }
@@ -207,5 +226,8 @@ impl Gpu for PathChoice {
     }
     fn matrix_path(&self) -> MatrixPath {
         self.path
+    }
+    fn state_passing(&self) -> StatePassing {
+        self.state_passing
     }
 }

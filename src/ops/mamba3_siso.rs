@@ -16,7 +16,10 @@
 //! (per step and pair: the (cos θ, sin θ) table every chunk kernel reads) → `chunk_state` (per
 //! chunk: S_loc = Σ_j w_j v_j k̃_jᵀ) → `state_pass` (per (b, h) and state element:
 //! S_in[c+1] = exp(A_c)·S_in[c] + S_loc[c], in place) → `chunk_fwd` (per chunk: inter-chunk term,
-//! masked intra-chunk term, diagonal, D, gate).
+//! masked intra-chunk term, diagonal, D, gate). Where B·H·tiles workgroups fill the GPU
+//! (`StatePassing`), `state_scan` replaces `chunk_state` and `state_pass`: a workgroup per
+//! (b, h, state tile) walks the chunks with the running state in registers, so the local states
+//! never go through memory (and `dstate_scan` the gradient pair).
 //!
 //! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
@@ -31,7 +34,7 @@
 use std::f64::consts::{PI, TAU};
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, MatrixPath, NO_BUFFER};
+use crate::gpu::{Dispatch, Gpu, MatrixPath, StatePassing, NO_BUFFER};
 use crate::kernels::{self, KernelRef};
 use crate::ops::math::{sigmoid, silu, silu_derivative, wrap_angle};
 use crate::ops::reduce::{column_sums, Partials};
@@ -740,6 +743,49 @@ const STATE_TILE_COLS: usize = 128;
 /// Threads of the element-wise state pass.
 const STATE_PASS_THREADS: usize = 256;
 
+/// Workgroups of the fused state kernels (one per (b, h, state tile)) from which
+/// `StatePassing::Auto` takes them: about two per SM of a large GPU (the H200 has 132 SMs and
+/// holds two of these workgroups per SM), below which the split kernels, parallel over chunks as
+/// well, finish first.
+const FUSED_STATES_MIN_WORKGROUPS: usize = 192;
+
+/// (b, h, state tile) triples: the workgroups of the fused state kernels.
+fn state_tiles(p: &SisoProblem) -> usize {
+    p.batch * p.heads * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS)
+}
+
+/// Whether the states go through the fused kernels (`mamba3_siso_state_scan`, `_dstate_scan`):
+/// on the SIMT path, as the device's `StatePassing` says.
+fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
+    gpu.matrix_path() == MatrixPath::Simt
+        && match gpu.state_passing() {
+            StatePassing::Fused => true,
+            StatePassing::Split => false,
+            StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
+        }
+}
+
+/// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
+/// kernel, or the chunk kernel and its pass. Forward and gradient chains have the same length, so
+/// the backward runs them step by step side by side.
+fn state_chain(p: &SisoProblem, gpu: &dyn Gpu, push: &SisoStatePush, grad: bool) -> Result<Vec<Dispatch>> {
+    use kernels::mamba3_siso_state as state;
+    if fused_states(p, gpu) {
+        let kernel = if grad { state::MAMBA3_SISO_DSTATE_SCAN } else { state::MAMBA3_SISO_STATE_SCAN };
+        return Ok(vec![Dispatch::linear(kernel, state_tiles(p) as u64, push)?]);
+    }
+    let paths = path_kernels(gpu);
+    let (local, pass) = if grad {
+        (paths.chunk_dstate, state::MAMBA3_SISO_STATE_PASS_REVERSE)
+    } else {
+        (paths.chunk_state, state::MAMBA3_SISO_STATE_PASS)
+    };
+    Ok(vec![
+        Dispatch::linear(local, (state_tiles(p) * p.chunks()) as u64, push)?,
+        Dispatch::linear(pass, state_pass_groups(p), push)?,
+    ])
+}
+
 /// Workgroups of the state passes: a thread per 4 elements of a P×N matrix when P·N is a multiple
 /// of 4 (16-byte accesses), else per element (mamba3_siso_state.slang, state_pass_dispatch).
 fn state_pass_groups(p: &SisoProblem) -> u64 {
@@ -804,8 +850,8 @@ fn u(value: usize) -> u32 {
     value as u32
 }
 
-/// Allocates the forward scratch and records prep, angle pass, rotation and chunk states; returns
-/// the state pass for the caller to record (the backward records its gradient chain beside it).
+/// Allocates the forward scratch and records prep, angle pass and rotation; returns the state
+/// chain (`state_chain`) for the caller to record (the backward records its gradient chain beside it).
 /// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
 fn record_states(
     p: &SisoProblem,
@@ -814,7 +860,7 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
-) -> Result<(Common, Dispatch)> {
+) -> Result<(Common, Vec<Dispatch>)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
         Some([
@@ -891,11 +937,8 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    let tiles = bh * nc * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS);
-    recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_state, tiles as u64, &state)?);
-    let state_pass =
-        Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS, state_pass_groups(p), &state)?;
-    Ok((common, state_pass))
+    let chain = state_chain(p, gpu, &state, false)?;
+    Ok((common, chain))
 }
 
 fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
@@ -1009,8 +1052,8 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let (common, state_pass) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
-        recorded.dispatches.push(state_pass);
+        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        recorded.dispatches.extend(state_chain);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
         recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
         Ok(recorded)
@@ -1091,27 +1134,18 @@ impl OpDef for SisoBwd {
         };
 
         // forward recomputation: S_in of every chunk
-        let (common, state_pass) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
         let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
-        let tiles = bh * nc * pd.div_ceil(TILE) * n.div_ceil(STATE_TILE_COLS);
-        // The gradient chain (chunk_dstate, then its reverse pass) is independent of the forward
-        // one (chunk_state, then the state pass): each step runs alongside its counterpart, so the
-        // latency-bound passes share the GPU instead of following each other.
-        recorded
-            .dispatches
-            .push(Dispatch::linear(path_kernels(gpu).chunk_dstate, tiles as u64, &dstate)?.alongside_previous());
-        recorded.dispatches.push(state_pass);
-        recorded.dispatches.push(
-            Dispatch::linear(
-                kernels::mamba3_siso_state::MAMBA3_SISO_STATE_PASS_REVERSE,
-                state_pass_groups(p),
-                &dstate,
-            )?
-            .alongside_previous(),
-        );
+        let gradient_chain = state_chain(p, gpu, &dstate, true)?;
+        // The gradient chain is independent of the forward one: each step runs alongside its
+        // counterpart, so the latency-bound passes share the GPU instead of following each other.
+        for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
+            recorded.dispatches.push(forward);
+            recorded.dispatches.push(gradient.alongside_previous());
+        }
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
         let dscale = recorded.scratch(gpu, op, "dscale (scratch)", bh * l)?;

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use mamba_kernels::gpu::MatrixPath;
+use mamba_kernels::gpu::{MatrixPath, StatePassing};
 use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{ops, BackendKind, Device, Scalars, TensorMap};
 
@@ -100,6 +100,36 @@ macro_rules! tile_path_tests {
                 if let Some(device) = super::common::vulkan_tiles_device() {
                     super::$name(&device);
                     super::common::assert_no_validation_messages(&device);
+                }
+            })*
+        }
+    };
+}
+
+/// `device` passing SISO scan states as `passing` says (`Device::with_state_passing`).
+pub fn with_state_passing(device: &Device, passing: StatePassing) -> Device {
+    device.with_state_passing(passing).expect("a GPU device takes either state passing")
+}
+
+/// As `backend_tests!` for the SISO scan's two ways of passing states: `vulkan_fused_states::name`
+/// and `cuda_fused_states::name` run each test with the fused state kernels whatever the shape
+/// (the small shapes of the suite would otherwise take the split ones).
+#[macro_export]
+macro_rules! state_passing_tests {
+    ($($name:ident),* $(,)?) => {
+        mod vulkan_fused_states {
+            $(#[test] fn $name() {
+                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Vulkan) {
+                    let fused = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused);
+                    super::$name(&fused);
+                    super::common::assert_no_validation_messages(&device);
+                }
+            })*
+        }
+        mod cuda_fused_states {
+            $(#[test] fn $name() {
+                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Cuda) {
+                    super::$name(&super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused));
                 }
             })*
         }

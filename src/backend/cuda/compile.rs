@@ -45,6 +45,8 @@ pub fn options(arch: &str) -> Vec<String> {
 const MIN_BLOCKS: &[(&str, &str, u32)] = &[
     ("mamba3_siso_state", "mamba3_siso_chunk_state", 2),
     ("mamba3_siso_state", "mamba3_siso_chunk_dstate", 2),
+    ("mamba3_siso_state", "mamba3_siso_state_scan", 2),
+    ("mamba3_siso_state", "mamba3_siso_dstate_scan", 2),
     ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd", 2),
     ("mamba3_siso_dqk", "mamba3_siso_dqk", 2),
     ("causal_conv1d", "causal_conv1d_bwd_upto4", 4),
