@@ -3,8 +3,12 @@
 //! problems that only a GPU run would otherwise show.
 #![cfg(feature = "cuda")]
 
-use mamba_kernels::backend::cuda::compile::{check_compiles, nvrtc_present};
+use mamba_kernels::backend::cuda::compile::{compile_cubin, nvrtc_present};
 use mamba_kernels::kernels::KERNEL_FILES;
+
+/// Where to write every cubin (`NAME.ARCH.cubin`), for reading the machine code without a GPU:
+/// `scripts/cuda-sass.sh` disassembles them with `nvdisasm`.
+const CUBIN_DIR_ENV: &str = "MAMBA_CUBIN_DIR";
 
 #[test]
 fn every_kernel_file_compiles_with_nvrtc() {
@@ -14,8 +18,14 @@ fn every_kernel_file_compiles_with_nvrtc() {
     }
     for arch in ["sm_90", "sm_80"] {
         for file in KERNEL_FILES.iter().filter(|f| f.cuda_source.is_some()) {
-            match check_compiles(file, arch) {
-                Ok(bytes) => assert!(bytes > 0, "{}: empty cubin", file.name),
+            match compile_cubin(file, arch) {
+                Ok(cubin) => {
+                    assert!(!cubin.is_empty(), "{}: empty cubin", file.name);
+                    if let Some(dir) = std::env::var_os(CUBIN_DIR_ENV) {
+                        let path = std::path::Path::new(&dir).join(format!("{}.{arch}.cubin", file.name));
+                        std::fs::write(&path, &cubin).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                    }
+                }
                 Err(error) => panic!("{error}"),
             }
         }

@@ -150,9 +150,10 @@ fn cuda_source(file: &KernelFile) -> Result<&'static str> {
 }
 
 /// Compiles one kernel file for `arch` without a device or caches: the check CI runs wherever
-/// NVRTC loads, so that CUDA code generation problems show up without a GPU.
-pub fn check_compiles(file: &KernelFile, arch: &str) -> Result<usize> {
-    compile(file, &launch_source(file)?, &options(arch)).map(|cubin| cubin.len())
+/// NVRTC loads, so that CUDA code generation problems show up without a GPU, and the cubins
+/// whose machine code (registers, spills, SASS through `nvdisasm`) can be read on such a machine.
+pub fn compile_cubin(file: &KernelFile, arch: &str) -> Result<Vec<u8>> {
+    compile(file, &launch_source(file)?, &options(arch))
 }
 
 /// Whether NVRTC can be loaded on this machine.
