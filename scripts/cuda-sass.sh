@@ -23,7 +23,8 @@ if [ ! -x "$bin/nvdisasm" ] || [ ! -x "$bin/cuobjdump" ]; then
   chmod +x "$bin/nvdisasm" "$bin/cuobjdump"
 fi
 mkdir -p "$out"
-MAMBA_CUBIN_DIR="$PWD/$out" LD_LIBRARY_PATH="$tools/nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+out="$(cd "$out" && pwd)"
+MAMBA_CUBIN_DIR="$out" LD_LIBRARY_PATH="$tools/nvrtc/nvidia/cuda_nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   cargo test --release --features cuda --test cuda_compile -q >/dev/null
 for cubin in "$out"/*."$arch".cubin; do
   name="$(basename "$cubin" ".$arch.cubin")"
