@@ -4,8 +4,7 @@
 # pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
 # dumps those variants' Vulkan pipelines (for scripts/vk-sass.py), CHUNKS="32 48" also times the
 # last variant at those chunk sizes (`bench --scalar chunk_size=C`, Vulkan), SPLIT="a b" also times
-# those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split, WIDE_DQK="a b" also times those
-# variants with MAMBA_SISO_DQK=wide (Vulkan, and CUDA unless NOCUDA=1). Logs go to $OUT.
+# those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split. Logs go to $OUT.
 #   usage: scripts/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,17 +22,6 @@ for r in ${VARIANTS:-$(ls /tmp/variants)}; do
     echo "== $n vulkan, split state passing"
     MAMBA_SISO_STATE_PASSING=split /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail >"$out/$n.split.vk.txt" 2>&1
     grep -E "^\| |rror" "$out/$n.split.vk.txt" | grep -vE "column_sum|copy_f32"
-  fi
-  if [[ " ${WIDE_DQK:-} " == *" $n "* ]]; then
-    echo "== $n vulkan, wide dqk"
-    MAMBA_SISO_DQK=wide MAMBA_VK_PIPELINE_STATS=1 /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 \
-      --detail >"$out/$n.wide.vk.txt" 2>&1
-    grep -E "^\| |Register|rror" "$out/$n.wide.vk.txt" | grep -vE "column_sum|copy_f32" | sed 's/Binary Size.*Shared/Shared/'
-    if [ "${NOCUDA:-0}" = 0 ]; then
-      echo "== $n cuda, wide dqk"
-      MAMBA_SISO_DQK=wide /tmp/variants/$r bench --backend cuda --ops "$ops" --repeats 20 --detail >"$out/$n.wide.cu.txt" 2>&1
-      grep -E "^\| |rror" "$out/$n.wide.cu.txt"
-    fi
   fi
   if [ "${NOCUDA:-0}" = 0 ]; then
     echo "== $n cuda"

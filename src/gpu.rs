@@ -116,46 +116,6 @@ impl StatePassing {
     }
 }
 
-/// Which kernel computes the Mamba-3 SISO backward's dq, dk and angle gradient (SIMT path).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum SisoDqk {
-    /// `mamba3_siso_dqk`: 64-wide tiles of N, the group's sums in registers. The default: it is the
-    /// one timed on a GPU (docs/PERFORMANCE.md).
-    Narrow,
-    /// `mamba3_siso_dqk_wide`: 128-wide tiles (4 × 8 register blocks, g·vᵀ once per head), the
-    /// group's sums added into the outputs. The same results; not yet timed on a GPU.
-    Wide,
-}
-
-/// Set to `narrow` or `wide` to choose the SISO backward's dq/dk kernel (default `narrow`).
-pub const SISO_DQK_ENV: &str = "MAMBA_SISO_DQK";
-
-impl SisoDqk {
-    pub const ALL: [SisoDqk; 2] = [SisoDqk::Narrow, SisoDqk::Wide];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            SisoDqk::Narrow => "narrow",
-            SisoDqk::Wide => "wide",
-        }
-    }
-
-    pub fn parse(text: &str) -> Result<Self> {
-        SisoDqk::ALL
-            .into_iter()
-            .find(|k| k.name() == text.trim())
-            .ok_or_else(|| Error::Dispatch(format!("{SISO_DQK_ENV}={text:?}: expected narrow or wide")))
-    }
-
-    /// `MAMBA_SISO_DQK` when set (an error when it names no kernel), else `Narrow`.
-    pub fn from_env() -> Result<Self> {
-        match std::env::var(SISO_DQK_ENV) {
-            Ok(text) => SisoDqk::parse(&text),
-            Err(_) => Ok(SisoDqk::Narrow),
-        }
-    }
-}
-
 /// A GPU backend. Every method is synchronous from the caller's point of view.
 pub trait Gpu: Send + Sync {
     /// `"vulkan"` or `"cuda"`.
@@ -187,10 +147,6 @@ pub trait Gpu: Send + Sync {
     /// How the SISO scan passes states between chunks on this device.
     fn state_passing(&self) -> StatePassing {
         StatePassing::Auto
-    }
-    /// Which kernel computes the SISO backward's dq and dk on this device.
-    fn siso_dqk(&self) -> SisoDqk {
-        SisoDqk::Narrow
     }
 }
 

@@ -6,7 +6,6 @@ mod common;
 use common::{
     assert_deterministic, assert_refused, check_against_reference, GRADIENT, PARAMETER_GRADIENT, SCAN_FORWARD,
 };
-use mamba_kernels::gpu::SisoDqk;
 use mamba_kernels::ops::mamba3_preprocess::{self, PreprocessShape};
 use mamba_kernels::ops::mamba3_siso::{example_inputs, SisoShape, FINAL_STATES, INPUT_STATES};
 use mamba_kernels::random::Rng;
@@ -376,23 +375,6 @@ fn bitwise_deterministic(device: &Device) {
     }
 }
 
-/// The two dq/dk kernels do the same arithmetic in the same order (tiles of 64 or 128 state dims;
-/// the group's sums in registers or in the outputs), so every output agrees exactly (as values: a
-/// zero may differ in sign). `device` takes the wide kernel.
-fn narrow_and_wide_dqk_agree(device: &Device) {
-    let narrow = device.with_siso_dqk(SisoDqk::Narrow).expect("a GPU device");
-    for (i, s) in cases().iter().enumerate() {
-        let (inputs, scalars) = example_inputs(s, true, 100 + i as u64);
-        let wide_out = ops::run(device, BACKWARD_OP, &inputs, &scalars).unwrap_or_else(|e| panic!("wide [{s:?}]: {e}"));
-        let narrow_out =
-            ops::run(&narrow, BACKWARD_OP, &inputs, &scalars).unwrap_or_else(|e| panic!("narrow [{s:?}]: {e}"));
-        for (name, tensor) in &narrow_out {
-            let differing = tensor.data().iter().zip(wide_out[name].data()).filter(|(a, b)| a != b).count();
-            assert_eq!(differing, 0, "`{name}` [{s:?}]: {differing} elements differ between the dq/dk kernels");
-        }
-    }
-}
-
 fn bad_input_is_refused(device: &Device) {
     let base = shape(1, 10, 4, 2, 8, 4, 2, 16, ALL);
     let (inputs, scalars) = example_inputs(&base, true, 3);
@@ -450,14 +432,6 @@ tile_path_tests!(
     composition_with_preprocess,
     bitwise_deterministic,
     bad_input_is_refused
-);
-
-wide_dqk_tests!(
-    forward_and_backward_match_reference,
-    narrow_and_wide_dqk_agree,
-    chunk_size_only_tunes,
-    state_continuation,
-    bitwise_deterministic
 );
 
 state_passing_tests!(

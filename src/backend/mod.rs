@@ -6,7 +6,7 @@ use std::str::FromStr;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath, SisoDqk, StatePassing};
+use crate::gpu::{Dispatch, Gpu, GpuBuffer, MatrixPath, StatePassing};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -85,21 +85,16 @@ impl Device {
     }
 
     /// Opens a backend: for Vulkan the device `MAMBA_VK_DEVICE` names or the best one found.
-    /// `MAMBA_SISO_STATE_PASSING` and `MAMBA_SISO_DQK`, when set, choose how the SISO scan passes
-    /// states and which kernel computes its dq and dk.
+    /// `MAMBA_SISO_STATE_PASSING`, when set, chooses how the SISO scan passes states.
     pub fn open(kind: BackendKind) -> Result<Self> {
         let device = match kind {
             BackendKind::Cpu => return Ok(Device::cpu()),
             BackendKind::Vulkan => Self::vulkan()?,
             BackendKind::Cuda => Self::cuda()?,
         };
-        let device = match StatePassing::from_env()? {
-            StatePassing::Auto => device,
-            chosen => device.with_state_passing(chosen)?,
-        };
-        match SisoDqk::from_env()? {
-            SisoDqk::Narrow => Ok(device),
-            chosen => device.with_siso_dqk(chosen),
+        match StatePassing::from_env()? {
+            StatePassing::Auto => Ok(device),
+            chosen => device.with_state_passing(chosen),
         }
     }
 
@@ -153,21 +148,14 @@ impl Device {
     pub fn with_matrix_path(&self, path: MatrixPath) -> Result<Device> {
         let gpu = self.gpu_for_choice("matrix paths")?;
         MatrixPath::check(path, &gpu.matrix_paths(), &gpu.device_name())?;
-        Ok(self.with_choices(Choices { path, ..Choices::of(gpu) }))
+        Ok(self.with_choices(Choices { inner: gpu.clone(), path, state_passing: gpu.state_passing() }))
     }
 
     /// The same device passing SISO scan states as `passing` says: tests run both ways on one
     /// device whatever the shape, benchmarks compare them.
     pub fn with_state_passing(&self, passing: StatePassing) -> Result<Device> {
         let gpu = self.gpu_for_choice("state passing")?;
-        Ok(self.with_choices(Choices { state_passing: passing, ..Choices::of(gpu) }))
-    }
-
-    /// The same device computing the SISO backward's dq and dk with `kernel`: tests run both
-    /// kernels on one device, benchmarks compare them.
-    pub fn with_siso_dqk(&self, kernel: SisoDqk) -> Result<Device> {
-        let gpu = self.gpu_for_choice("dq/dk kernels")?;
-        Ok(self.with_choices(Choices { dqk: kernel, ..Choices::of(gpu) }))
+        Ok(self.with_choices(Choices { inner: gpu.clone(), path: gpu.matrix_path(), state_passing: passing }))
     }
 
     fn gpu_for_choice(&self, what: &str) -> Result<&Arc<dyn Gpu>> {
@@ -198,20 +186,11 @@ impl fmt::Debug for Device {
     }
 }
 
-/// A device with another matrix path, state passing or dq/dk kernel: every call goes to the
-/// device itself.
+/// A device with another matrix path or state passing: every call goes to the device itself.
 struct Choices {
     inner: Arc<dyn Gpu>,
     path: MatrixPath,
     state_passing: StatePassing,
-    dqk: SisoDqk,
-}
-
-impl Choices {
-    /// The choices `gpu` makes now.
-    fn of(gpu: &Arc<dyn Gpu>) -> Choices {
-        Choices { inner: gpu.clone(), path: gpu.matrix_path(), state_passing: gpu.state_passing(), dqk: gpu.siso_dqk() }
-    }
 }
 
 impl Gpu for Choices {
@@ -250,8 +229,5 @@ impl Gpu for Choices {
     }
     fn state_passing(&self) -> StatePassing {
         self.state_passing
-    }
-    fn siso_dqk(&self) -> SisoDqk {
-        self.dqk
     }
 }

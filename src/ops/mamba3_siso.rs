@@ -34,7 +34,7 @@
 use std::f64::consts::{PI, TAU};
 
 use crate::error::Result;
-use crate::gpu::{Dispatch, Gpu, MatrixPath, SisoDqk, StatePassing, NO_BUFFER};
+use crate::gpu::{Dispatch, Gpu, MatrixPath, StatePassing, NO_BUFFER};
 use crate::kernels::{self, KernelRef};
 use crate::ops::math::{sigmoid, silu, silu_derivative, wrap_angle};
 use crate::ops::reduce::{column_sums, Partials};
@@ -666,7 +666,7 @@ push_constants! {
 const _: () = assert!(std::mem::size_of::<SisoChunkPush>() == kernels::mamba3_siso_chunk::PUSH_CONSTANT_BYTES);
 
 push_constants! {
-    /// Push constants of `mamba3_siso_dqk.slang` and `mamba3_siso_dqk_wide.slang`.
+    /// Push constants of `mamba3_siso_dqk.slang`.
     pub struct SisoDqkPush {
         q: u32,
         k: u32,
@@ -701,7 +701,6 @@ push_constants! {
     }
 }
 const _: () = assert!(std::mem::size_of::<SisoDqkPush>() == kernels::mamba3_siso_dqk::PUSH_CONSTANT_BYTES);
-const _: () = assert!(std::mem::size_of::<SisoDqkPush>() == kernels::mamba3_siso_dqk_wide::PUSH_CONSTANT_BYTES);
 
 push_constants! {
     /// Push constants of `mamba3_siso_tail.slang` (angle suffix, input-state gradients, dt/trap/angles).
@@ -741,8 +740,6 @@ const _: () = assert!(std::mem::size_of::<SisoTailPush>() == kernels::mamba3_sis
 const TILE: usize = 64;
 /// State dims (columns) of one chunk-state tile (STATE_COLS in mamba3_siso_state.slang).
 const STATE_TILE_COLS: usize = 128;
-/// State dims of one `dqk_wide` workgroup's tile (WIDE in mamba3_siso_dqk_wide.slang).
-const WIDE_DQK_TILE_COLS: usize = 128;
 /// Threads of the element-wise state pass.
 const STATE_PASS_THREADS: usize = 256;
 
@@ -1177,11 +1174,7 @@ impl OpDef for SisoBwd {
         let dtheta_sum = recorded.scratch(gpu, op, "chunk angle gradient sums (scratch)", bh * nc * s)?;
         let qbias_partial = recorded.scratch(gpu, op, "dq_bias partials", b * nc * h * n)?;
         let kbias_partial = recorded.scratch(gpu, op, "dk_bias partials", b * nc * h * n)?;
-        let (dqk_kernel, dqk_tile_cols) = match gpu.siso_dqk() {
-            SisoDqk::Narrow => (kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK, TILE),
-            SisoDqk::Wide => (kernels::mamba3_siso_dqk_wide::MAMBA3_SISO_DQK_WIDE, WIDE_DQK_TILE_COLS),
-        };
-        let tiles_n = n.div_ceil(dqk_tile_cols);
+        let tiles_n = n.div_ceil(TILE);
         let dqk = SisoDqkPush {
             q: common.q,
             k: common.k,
@@ -1215,9 +1208,10 @@ impl OpDef for SisoBwd {
             tiles_n: u(tiles_n),
         };
         // dqk reads none of chunk_bwd's outputs: the two run side by side.
-        recorded
-            .dispatches
-            .push(Dispatch::linear(dqk_kernel, (b * g * nc * tiles_n) as u64, &dqk)?.alongside_previous());
+        recorded.dispatches.push(
+            Dispatch::linear(kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK, (b * g * nc * tiles_n) as u64, &dqk)?
+                .alongside_previous(),
+        );
 
         // angles, input states, dt and trap
         let carry = recorded.scratch(gpu, op, "angle gradient carries (scratch)", bh * nc * s)?;
@@ -1457,7 +1451,6 @@ mod tests {
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_chunk::FILE).unwrap();
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_mma_chunk::FILE).unwrap();
         check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk::FILE).unwrap();
-        check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk_wide::FILE).unwrap();
         check_push_layout::<SisoTailPush>(kernels::mamba3_siso_tail::FILE).unwrap();
     }
 

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use mamba_kernels::gpu::{MatrixPath, SisoDqk, StatePassing};
+use mamba_kernels::gpu::{MatrixPath, StatePassing};
 use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{ops, BackendKind, Device, Scalars, TensorMap};
 
@@ -130,34 +130,6 @@ macro_rules! state_passing_tests {
             $(#[test] fn $name() {
                 if let Some(device) = super::common::device(mamba_kernels::BackendKind::Cuda) {
                     super::$name(&super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused));
-                }
-            })*
-        }
-    };
-}
-
-/// `device` computing the SISO backward's dq and dk with `kernel` (`Device::with_siso_dqk`).
-pub fn with_siso_dqk(device: &Device, kernel: SisoDqk) -> Device {
-    device.with_siso_dqk(kernel).expect("a GPU device takes either dq/dk kernel")
-}
-
-/// As `backend_tests!` for the SISO backward's two dq/dk kernels: `vulkan_wide_dqk::name` and
-/// `cuda_wide_dqk::name` run each test with `mamba3_siso_dqk_wide` (the default is the narrow one).
-#[macro_export]
-macro_rules! wide_dqk_tests {
-    ($($name:ident),* $(,)?) => {
-        mod vulkan_wide_dqk {
-            $(#[test] fn $name() {
-                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Vulkan) {
-                    super::$name(&super::common::with_siso_dqk(&device, mamba_kernels::gpu::SisoDqk::Wide));
-                    super::common::assert_no_validation_messages(&device);
-                }
-            })*
-        }
-        mod cuda_wide_dqk {
-            $(#[test] fn $name() {
-                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Cuda) {
-                    super::$name(&super::common::with_siso_dqk(&device, mamba_kernels::gpu::SisoDqk::Wide));
                 }
             })*
         }

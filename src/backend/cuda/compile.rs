@@ -49,7 +49,6 @@ const MIN_BLOCKS: &[(&str, &str, u32)] = &[
     ("mamba3_siso_state", "mamba3_siso_dstate_scan", 2),
     ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd", 2),
     ("mamba3_siso_dqk", "mamba3_siso_dqk", 2),
-    ("mamba3_siso_dqk_wide", "mamba3_siso_dqk_wide", 2),
     ("causal_conv1d", "causal_conv1d_bwd_upto4", 4),
     ("rmsnorm", "rmsnorm_bwd_resident", 2),
 ];
