@@ -41,12 +41,14 @@ pub fn options(arch: &str) -> Vec<String> {
 /// Occupancy targets, `__launch_bounds__(threads, blocks)` on these entry points: NVRTC gave them
 /// more registers than `blocks` workgroups per SM leave (147-183 for the SISO chunk kernels, one
 /// block per SM; 104 for the conv1d backward, two), where NVIDIA's Vulkan compiler keeps the same
-/// kernels at 128 and 64 registers. Measured in docs/PERFORMANCE.md, run 13.
+/// kernels at 128 and 64 registers. Measured in docs/PERFORMANCE.md, runs 13 and 19
+/// (`chunk_fwd`: 156 registers, 2527 µs; capped, 128 and 24 B of stack, 1881 µs).
 const MIN_BLOCKS: &[(&str, &str, u32)] = &[
     ("mamba3_siso_state", "mamba3_siso_chunk_state", 2),
     ("mamba3_siso_state", "mamba3_siso_chunk_dstate", 2),
     ("mamba3_siso_state", "mamba3_siso_state_scan", 2),
     ("mamba3_siso_state", "mamba3_siso_dstate_scan", 2),
+    ("mamba3_siso_chunk", "mamba3_siso_chunk_fwd", 2),
     ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd", 2),
     ("mamba3_siso_dqk", "mamba3_siso_dqk", 2),
     ("causal_conv1d", "causal_conv1d_bwd_upto4", 4),
