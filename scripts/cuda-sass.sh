@@ -12,6 +12,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 arch="${1:-sm_90}"
+# the architectures tests/cuda_compile.rs compiles for
+case "$arch" in sm_90 | sm_80) ;; *) echo "cuda-sass: ARCH must be sm_90 or sm_80" >&2; exit 2 ;; esac
 out="${2:-target/cuda-sass}"
 tools="$PWD/.tools"
 ./scripts/setup.sh >/dev/null
