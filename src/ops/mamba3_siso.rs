@@ -923,10 +923,11 @@ fn record_states(
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_PREP, (bh * nc) as u64, &prep)?);
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_ANGLE_PASS, bh as u64, &prep)?);
     if p.rope > 0 {
-        let pairs = bh * l * p.rope;
+        // two pairs per thread when S is even (mamba3_siso_rotation)
+        let threads = bh * l * p.rope / if p.rope % 2 == 0 { 2 } else { 1 };
         recorded.dispatches.push(Dispatch::linear(
             kernels::mamba3_siso_prep::MAMBA3_SISO_ROTATION,
-            pairs.div_ceil(256) as u64,
+            threads.div_ceil(256) as u64,
             &prep,
         )?);
     }
