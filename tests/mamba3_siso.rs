@@ -77,6 +77,17 @@ fn forward_and_backward_match_reference(device: &Device) {
     }
 }
 
+/// Three full chunks at N = 128, P = 64: the fused state walk's regular path, which fetches each
+/// chunk's first stage, weights and decay during the previous chunk's products (run on the
+/// fused-states devices only; the other paths see full chunks in `cases`).
+fn full_chunks_match_reference(device: &Device) {
+    let s = shape(1, 192, 2, 1, 128, 64, 32, 64, ALL);
+    for op in [FORWARD_OP, BACKWARD_OP] {
+        let (inputs, scalars) = example_inputs(&s, op == BACKWARD_OP, 17);
+        check_against_reference(device, op, &inputs, &scalars, &tolerance, &format!("{s:?}"));
+    }
+}
+
 /// chunk_size is a tuning knob: other chunk sizes (also one that divides nothing) agree with the
 /// sequential reference just as well.
 fn chunk_size_only_tunes(device: &Device) {
@@ -436,6 +447,7 @@ tile_path_tests!(
 
 state_passing_tests!(
     forward_and_backward_match_reference,
+    full_chunks_match_reference,
     chunk_size_only_tunes,
     state_continuation,
     bitwise_deterministic
