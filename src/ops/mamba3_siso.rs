@@ -754,15 +754,14 @@ fn state_tiles(p: &SisoProblem) -> usize {
     p.batch * p.heads * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS)
 }
 
-/// Whether the states go through the fused kernels (`mamba3_siso_state_scan`, `_dstate_scan`):
-/// on the SIMT path, as the device's `StatePassing` says.
+/// Whether the states go through the fused kernels (`mamba3_siso_state_scan`, `_dstate_scan`, or
+/// their counterparts on matrix tiles), as the device's `StatePassing` says.
 fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
-    gpu.matrix_path() == MatrixPath::Simt
-        && match gpu.state_passing() {
-            StatePassing::Fused => true,
-            StatePassing::Split => false,
-            StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
-        }
+    match gpu.state_passing() {
+        StatePassing::Fused => true,
+        StatePassing::Split => false,
+        StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
+    }
 }
 
 /// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
@@ -770,11 +769,11 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
 /// the backward runs them step by step side by side.
 fn state_chain(p: &SisoProblem, gpu: &dyn Gpu, push: &SisoStatePush, grad: bool) -> Result<Vec<Dispatch>> {
     use kernels::mamba3_siso_state as state;
+    let paths = path_kernels(gpu);
     if fused_states(p, gpu) {
-        let kernel = if grad { state::MAMBA3_SISO_DSTATE_SCAN } else { state::MAMBA3_SISO_STATE_SCAN };
+        let kernel = if grad { paths.dstate_scan } else { paths.state_scan };
         return Ok(vec![Dispatch::linear(kernel, state_tiles(p) as u64, push)?]);
     }
-    let paths = path_kernels(gpu);
     let (local, pass) = if grad {
         (paths.chunk_dstate, state::MAMBA3_SISO_STATE_PASS_REVERSE)
     } else {
@@ -799,6 +798,8 @@ fn state_pass_groups(p: &SisoProblem) -> u64 {
 struct PathKernels {
     chunk_state: KernelRef,
     chunk_dstate: KernelRef,
+    state_scan: KernelRef,
+    dstate_scan: KernelRef,
     chunk_fwd: KernelRef,
 }
 
@@ -809,16 +810,22 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
         MatrixPath::Simt => PathKernels {
             chunk_state: state::MAMBA3_SISO_CHUNK_STATE,
             chunk_dstate: state::MAMBA3_SISO_CHUNK_DSTATE,
+            state_scan: state::MAMBA3_SISO_STATE_SCAN,
+            dstate_scan: state::MAMBA3_SISO_DSTATE_SCAN,
             chunk_fwd: chunk::MAMBA3_SISO_CHUNK_FWD,
         },
         MatrixPath::TensorCores => PathKernels {
             chunk_state: mma_state::MAMBA3_SISO_MMA_CHUNK_STATE,
             chunk_dstate: mma_state::MAMBA3_SISO_MMA_CHUNK_DSTATE,
+            state_scan: mma_state::MAMBA3_SISO_MMA_STATE_SCAN,
+            dstate_scan: mma_state::MAMBA3_SISO_MMA_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_CHUNK_FWD,
         },
         MatrixPath::Emulated => PathKernels {
             chunk_state: mma_state::MAMBA3_SISO_MMA_EMULATED_CHUNK_STATE,
             chunk_dstate: mma_state::MAMBA3_SISO_MMA_EMULATED_CHUNK_DSTATE,
+            state_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_STATE_SCAN,
+            dstate_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_EMULATED_CHUNK_FWD,
         },
     }

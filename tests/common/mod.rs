@@ -111,9 +111,10 @@ pub fn with_state_passing(device: &Device, passing: StatePassing) -> Device {
     device.with_state_passing(passing).expect("a GPU device takes either state passing")
 }
 
-/// As `backend_tests!` for the SISO scan's two ways of passing states: `vulkan_fused_states::name`
-/// and `cuda_fused_states::name` run each test with the fused state kernels whatever the shape
-/// (the small shapes of the suite would otherwise take the split ones).
+/// As `backend_tests!` for the SISO scan's two ways of passing states: `vulkan_fused_states::name`,
+/// `cuda_fused_states::name` and `vulkan_tiles_fused_states::name` (the fused walks on matrix
+/// tiles) run each test with the fused state kernels whatever the shape (the small shapes of the
+/// suite would otherwise take the split ones).
 #[macro_export]
 macro_rules! state_passing_tests {
     ($($name:ident),* $(,)?) => {
@@ -130,6 +131,15 @@ macro_rules! state_passing_tests {
             $(#[test] fn $name() {
                 if let Some(device) = super::common::device(mamba_kernels::BackendKind::Cuda) {
                     super::$name(&super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused));
+                }
+            })*
+        }
+        mod vulkan_tiles_fused_states {
+            $(#[test] fn $name() {
+                if let Some(device) = super::common::vulkan_tiles_device() {
+                    let fused = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused);
+                    super::$name(&fused);
+                    super::common::assert_no_validation_messages(&device);
                 }
             })*
         }
