@@ -45,21 +45,22 @@ fn op_names_are_unique() {
 }
 
 /// Each registered op's small example against the reference, on every available GPU backend and
-/// every matrix path it offers (SIMT also with the fused SISO state kernels); and together the ops' dispatches reach every entry point of every
+/// every matrix path it offers (each also with the fused SISO state kernels); and together the ops' dispatches reach every entry point of every
 /// kernel file the backend compiles. The tensor-core entry points (SPIR-V-only files, names without
 /// `emulated`) are exempt on a device without tensor cores: their emulated twins stand in for them.
 fn every_entry_point_has_a_parity_case(device: &Device) {
     let Some(gpu) = device.gpu() else { return };
     let mut reached = BTreeSet::new();
     let paths = gpu.matrix_paths();
-    // every matrix path, and the SIMT one once more with the fused SISO state kernels (the small
-    // examples would otherwise take the split ones)
-    let mut choices: Vec<(Device, String)> = paths
-        .iter()
-        .map(|&path| (device.with_matrix_path(path).expect("the device offers this path"), path.name().to_string()))
-        .collect();
-    let simt = device.with_matrix_path(MatrixPath::Simt).expect("every device takes SIMT");
-    choices.push((simt.with_state_passing(StatePassing::Fused).expect("a GPU device"), "simt, fused states".into()));
+    // every matrix path, each once more with the fused SISO state kernels (the small examples
+    // would otherwise take the split ones)
+    let mut choices: Vec<(Device, String)> = Vec::new();
+    for &path in &paths {
+        let on_path = device.with_matrix_path(path).expect("the device offers this path");
+        let fused = on_path.with_state_passing(StatePassing::Fused).expect("a GPU device");
+        choices.push((on_path, path.name().to_string()));
+        choices.push((fused, format!("{}, fused states", path.name())));
+    }
     for (on_path, path_name) in &choices {
         let Some(path_gpu) = on_path.gpu() else { return };
         for op in OPS {
