@@ -806,13 +806,12 @@ struct PathKernels {
 fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
     use kernels::{mamba3_siso_chunk as chunk, mamba3_siso_mma_chunk as mma_chunk};
     use kernels::{mamba3_siso_mma_state as mma_state, mamba3_siso_state as state};
-    let tensor_cores = gpu.matrix_paths().contains(&MatrixPath::TensorCores);
     match gpu.matrix_path() {
         MatrixPath::Simt => PathKernels {
             chunk_state: state::MAMBA3_SISO_CHUNK_STATE,
             chunk_dstate: state::MAMBA3_SISO_CHUNK_DSTATE,
-            state_scan: if tensor_cores { mma_state::MAMBA3_SISO_MMA_STATE_SCAN } else { state::MAMBA3_SISO_STATE_SCAN },
-            dstate_scan: if tensor_cores { mma_state::MAMBA3_SISO_MMA_DSTATE_SCAN } else { state::MAMBA3_SISO_DSTATE_SCAN },
+            state_scan: state::MAMBA3_SISO_STATE_SCAN,
+            dstate_scan: state::MAMBA3_SISO_DSTATE_SCAN,
             chunk_fwd: chunk::MAMBA3_SISO_CHUNK_FWD,
         },
         MatrixPath::TensorCores => PathKernels {
