@@ -73,7 +73,7 @@ impl MatrixPath {
     }
 }
 
-/// How the Mamba-3 SISO scan carries states from chunk to chunk (SIMT matrix path).
+/// How the Mamba-3 SISO scan carries states from chunk to chunk (on every matrix path).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum StatePassing {
     /// `Fused` where its B·H·tiles workgroups fill a GPU, else `Split`.
