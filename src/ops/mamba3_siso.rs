@@ -573,7 +573,7 @@ push_constants! {
         acs: u32,
         scale: u32,
         gamma: u32,
-        theta_end: u32,
+        theta_loc: u32,
         theta_start: u32,
         rotation: u32,
         final_angle_state: u32,
@@ -847,7 +847,7 @@ struct Common {
     acs: u32,
     scale: u32,
     gamma: u32,
-    theta_end: u32,
+    theta_loc: u32,
     theta_start: u32,
     rotation: u32,
     states: u32,
@@ -894,7 +894,7 @@ fn record_states(
         acs: recorded.scratch(gpu, op, "cumulative decay (scratch)", bh * l)?,
         scale: recorded.scratch(gpu, op, "input scale (scratch)", bh * l)?,
         gamma: recorded.scratch(gpu, op, "gamma (scratch)", bh * l)?,
-        theta_end: recorded.scratch(gpu, op, "chunk angle sums (scratch)", bh * nc * p.rope)?,
+        theta_loc: recorded.scratch(gpu, op, "in-chunk angles (scratch)", bh * l * p.rope)?,
         theta_start: recorded.scratch(gpu, op, "chunk angle prefixes (scratch)", bh * (nc + 1) * p.rope)?,
         rotation: recorded.scratch(gpu, op, "rotation table (scratch)", 2 * bh * l * p.rope)?,
         states: recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
@@ -911,7 +911,7 @@ fn record_states(
         acs: common.acs,
         scale: common.scale,
         gamma: common.gamma,
-        theta_end: common.theta_end,
+        theta_loc: common.theta_loc,
         theta_start: common.theta_start,
         rotation: common.rotation,
         final_angle_state: finals[0],
@@ -930,8 +930,8 @@ fn record_states(
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_PREP, (bh * nc) as u64, &prep)?);
     recorded.dispatches.push(Dispatch::linear(kernels::mamba3_siso_prep::MAMBA3_SISO_ANGLE_PASS, bh as u64, &prep)?);
     if p.rope > 0 {
-        // per (b, h, chunk), two pairs per thread when S is even (mamba3_siso_rotation)
-        let threads = bh * nc * p.rope / if p.rope % 2 == 0 { 2 } else { 1 };
+        // two pairs per thread when S is even (mamba3_siso_rotation)
+        let threads = bh * l * p.rope / if p.rope % 2 == 0 { 2 } else { 1 };
         recorded.dispatches.push(Dispatch::linear(
             kernels::mamba3_siso_prep::MAMBA3_SISO_ROTATION,
             threads.div_ceil(256) as u64,
