@@ -1171,11 +1171,7 @@ impl OpDef for SisoBwd {
             dfinal_v: dfinal[3],
             ..chunk_push(p, &common)
         };
-        recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD,
-            (bh * nc) as u64,
-            &chunk,
-        )?);
+        let chunk_bwd = Dispatch::linear(kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD, (bh * nc) as u64, &chunk)?;
 
         // per chunk and group: dq, dk, dθ, bias partials
         let dtheta = recorded.scratch(gpu, op, "angle gradients (scratch)", bh * l * s)?;
@@ -1215,11 +1211,16 @@ impl OpDef for SisoBwd {
             chunks: u(nc),
             tiles_n: u(tiles_n),
         };
-        // dqk reads none of chunk_bwd's outputs: the two run side by side.
-        recorded.dispatches.push(
-            Dispatch::linear(kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK, (b * g * nc * tiles_n) as u64, &dqk)?
-                .alongside_previous(),
-        );
+        // dqk and chunk_bwd read none of each other's outputs: they run side by side, dqk first. Its
+        // few long workgroups (one per chunk, tile and group, looping over the heads) are then all
+        // placed before chunk_bwd's many short ones, which fill the multiprocessors that dqk's last
+        // wave leaves idle (docs/PERFORMANCE.md, run 22).
+        recorded.dispatches.push(Dispatch::linear(
+            kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
+            (b * g * nc * tiles_n) as u64,
+            &dqk,
+        )?);
+        recorded.dispatches.push(chunk_bwd.alongside_previous());
 
         // angles, input states, dt and trap
         let carry = recorded.scratch(gpu, op, "angle gradient carries (scratch)", bh * nc * s)?;
