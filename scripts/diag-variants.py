@@ -51,19 +51,26 @@ def product_step(body):
     return edit(TILE, change)
 
 
-def confine(names):
-    pattern = re.compile(r'\b(load_f32x4|load_f32x2|load_f32|load_row4)\((' + names + r'), ')
+def confine(variant):
+    pattern = re.compile(r'\b(load_f32x4|load_f32x2|load_f32|load_row4)\((' + TENSORS[variant] + r'), ')
+    # dqk's general-path state rows come in through a parameter named `states`
+    extra = variant == 'nost'
     count = 0
     for path in KERNELS + [TILE]:
         def change(text):
             text, n = pattern.subn(lambda m: f'{m.group(1)}({m.group(2)}, {MASKS[m.group(1)]}', text)
-            if names == TENSORS['nost'] and path.name == 'mamba3_siso_dqk.slang':
+            if extra:
                 text, n2 = re.subn(r'load_row4\(states, state_base \+ \(p0 \+ pp\) \* push\.state,',
                                    'load_row4(states, 0u,', text)
                 n += n2
             return text, n
         count += edit(path, change)
     return count
+
+
+def remove_barriers(path):
+    barrier = 'GroupMemoryBarrierWithGroupSync();'
+    return edit(path, lambda text: (text.replace(barrier, '/* DIAGNOSTIC nobar */;'), text.count(barrier)))
 
 
 def main():
@@ -75,10 +82,9 @@ def main():
         elif variant == 'none':
             n = product_step('    // DIAGNOSTIC none: one FMA\n    acc[0].x += a.x * b.x;')
         elif variant == 'nobar':
-            n = sum(edit(p, lambda t: (t.replace('GroupMemoryBarrierWithGroupSync();', '/* DIAGNOSTIC nobar */;'),
-                                       t.count('GroupMemoryBarrierWithGroupSync();'))) for p in KERNELS)
+            n = sum(remove_barriers(path) for path in KERNELS)
         elif variant in TENSORS:
-            n = confine(TENSORS[variant])
+            n = confine(variant)
         else:
             sys.exit(f'diag-variants: unknown variant {variant!r}\n{__doc__}')
         print(f'{variant}: {n} edits')
