@@ -14,6 +14,7 @@ scripts/time-variants.sh. Variants:
   nost     the chunk states (S_in, dS_out) are read from one 256-byte spot (cache hits)
   norot    the rotation table likewise
   noglobal every staged tensor of the chunk and dqk kernels likewise
+  nowalkstore the regular state walks skip their per-chunk state stores (a branch never taken)
 """
 import re
 import sys
@@ -73,6 +74,13 @@ def remove_barriers(path):
     return edit(path, lambda text: (text.replace(barrier, '/* DIAGNOSTIC nobar */;'), text.count(barrier)))
 
 
+def skip_walk_stores():
+    path = ROOT / 'shaders/kernels/mamba3_siso_state.slang'
+    call = '        store_state_block(t, states, (t.bh * push.chunks + c) * matrix, acc0, acc1);'
+    guarded = '        if (push.chunks > 0x7fffffffu) /* DIAGNOSTIC nowalkstore */\n' + call.replace('        ', '            ', 1)
+    return edit(path, lambda text: (text.replace(call, guarded), text.count(call)))
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
@@ -83,6 +91,8 @@ def main():
             n = product_step('    // DIAGNOSTIC none: one FMA\n    acc[0].x += a.x * b.x;')
         elif variant == 'nobar':
             n = sum(remove_barriers(path) for path in KERNELS)
+        elif variant == 'nowalkstore':
+            n = skip_walk_stores()
         elif variant in TENSORS:
             n = confine(variant)
         else:

@@ -612,6 +612,9 @@ push_constants! {
         dt: u32,
         trap: u32,
         final_state: u32,
+        dstates: u32,
+        dinit_state: u32,
+        dfinal_state: u32,
         batch: u32,
         length: u32,
         heads: u32,
@@ -764,6 +767,22 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     }
 }
 
+/// Whether the backward walks both directions in one kernel (`mamba3_siso_dual_scan`): with the
+/// fused walks on the SIMT path of Vulkan, when every chunk and state tile is full and the rotated
+/// pairs are whole (`dual_scan_applies` in mamba3_siso_state.slang checks the same). Not on CUDA,
+/// where NVRTC spills the walks' stage-ahead loads (see `state_scan_is_regular`).
+fn dual_scan_applies(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
+    fused_states(p, gpu)
+        && gpu.backend() == "vulkan"
+        && gpu.matrix_path() == MatrixPath::Simt
+        && p.chunk == TILE
+        && p.length % TILE == 0
+        && p.head_dim % TILE == 0
+        && p.state % STATE_TILE_COLS == 0
+        && p.rope % 2 == 0
+        && p.rope > 0
+}
+
 /// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
 /// kernel, or the chunk kernel and its pass. Forward and gradient chains have the same length, so
 /// the backward runs them step by step side by side.
@@ -857,8 +876,9 @@ fn u(value: usize) -> u32 {
     value as u32
 }
 
-/// Allocates the forward scratch and records prep, angle pass and rotation; returns the state
-/// chain (`state_chain`) for the caller to record (the backward records its gradient chain beside it).
+/// Allocates the forward scratch and records prep, angle pass and rotation; returns the push
+/// constants of the forward state walk, for the caller to record its chain (`state_chain`; the
+/// backward records its gradient walk beside it, or both in one kernel: `dual_scan_applies`).
 /// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
 fn record_states(
     p: &SisoProblem,
@@ -867,7 +887,7 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
-) -> Result<(Common, Vec<Dispatch>)> {
+) -> Result<(Common, SisoStatePush)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
         Some([
@@ -945,8 +965,7 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    let chain = state_chain(p, gpu, &state, false)?;
-    Ok((common, chain))
+    Ok((common, state))
 }
 
 fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
@@ -968,6 +987,9 @@ fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: 
         dt: c.dt,
         trap: c.trap,
         final_state,
+        dstates: NO_BUFFER,
+        dinit_state: NO_BUFFER,
+        dfinal_state: NO_BUFFER,
         batch: u(p.batch),
         length: u(p.length),
         heads: u(p.heads),
@@ -1060,7 +1082,8 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        let (common, state) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        let state_chain = state_chain(p, gpu, &state, false)?;
         recorded.dispatches.extend(state_chain);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
         recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
@@ -1142,17 +1165,35 @@ impl OpDef for SisoBwd {
         };
 
         // forward recomputation: S_in of every chunk
-        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+        let (common, state) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
-        let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
-        let gradient_chain = state_chain(p, gpu, &dstate, true)?;
-        // The gradient chain is independent of the forward one: each step runs alongside its
-        // counterpart, so the latency-bound passes share the GPU instead of following each other.
-        for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
-            recorded.dispatches.push(forward);
-            recorded.dispatches.push(gradient.alongside_previous());
+        if dual_scan_applies(p, gpu) {
+            // both walks in one kernel (S_in and dS_out; the forward walk's final state is not needed)
+            let dual = SisoStatePush {
+                dout,
+                dstates,
+                dinit_state: dfinal[1],
+                dfinal_state: dstates_in[1],
+                ..state
+            };
+            recorded.dispatches.push(Dispatch::linear(
+                kernels::mamba3_siso_state::MAMBA3_SISO_DUAL_SCAN,
+                state_tiles(p) as u64,
+                &dual,
+            )?);
+        } else {
+            let forward_chain = state_chain(p, gpu, &state, false)?;
+            let dstate =
+                SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
+            let gradient_chain = state_chain(p, gpu, &dstate, true)?;
+            // The gradient chain is independent of the forward one: each step runs alongside its
+            // counterpart, so the latency-bound passes share the GPU instead of following each other.
+            for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
+                recorded.dispatches.push(forward);
+                recorded.dispatches.push(gradient.alongside_previous());
+            }
         }
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
