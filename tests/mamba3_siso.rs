@@ -78,14 +78,19 @@ fn forward_and_backward_match_reference(device: &Device) {
 }
 
 /// Three full chunks at N = 128, P = 64: the fused state walk's regular path, which fetches each
-/// chunk's first stage, weights and decay during the previous chunk's products (run on the
-/// fused-states devices only; the other paths see full chunks in `cases`). On CUDA the walks take
-/// the general path for every chunk (`target_is_cuda`), which this checks there instead.
+/// chunk's first stage, weights and decay during the previous chunk's products, and on Vulkan's
+/// SIMT path the backward's two walks in one kernel (`mamba3_siso_dual_scan`), here also checked
+/// for bitwise repeatability (run on the fused-states devices only; the other paths see full chunks
+/// in `cases`). On CUDA the walks take the general path for every chunk (`target_is_cuda`), which
+/// this checks there instead.
 fn full_chunks_match_reference(device: &Device) {
     let s = shape(1, 192, 2, 1, 128, 64, 32, 64, ALL);
     for op in [FORWARD_OP, BACKWARD_OP] {
         let (inputs, scalars) = example_inputs(&s, op == BACKWARD_OP, 17);
         check_against_reference(device, op, &inputs, &scalars, &tolerance, &format!("{s:?}"));
+        if op == BACKWARD_OP {
+            assert_deterministic(device, op, &inputs, &scalars, 3);
+        }
     }
 }
 
