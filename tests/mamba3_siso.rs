@@ -78,10 +78,10 @@ fn forward_and_backward_match_reference(device: &Device) {
 }
 
 /// Three full chunks at N = 128, P = 64: the fused state walk's regular path, which fetches each
-/// chunk's first stage, weights and decay during the previous chunk's products, and on Vulkan's
-/// SIMT path the backward's two walks in one kernel (`mamba3_siso_dual_scan`), here also checked
-/// for bitwise repeatability (run on the fused-states devices only; the other paths see full chunks
-/// in `cases`). On CUDA the walks take the general path for every chunk (`target_is_cuda`), which
+/// chunk's first stage, weights and decay during the previous chunk's products, and with
+/// `StatePassing::Dual` the backward's two walks in one kernel (`mamba3_siso_dual_scan`), here
+/// also checked for bitwise repeatability (run on the state-passing devices only; the other paths
+/// see full chunks in `cases`). On CUDA the walks take the general path for every chunk (`target_is_cuda`), which
 /// this checks there instead.
 fn full_chunks_match_reference(device: &Device) {
     let s = shape(1, 192, 2, 1, 128, 64, 32, 64, ALL);

@@ -761,18 +761,18 @@ fn state_tiles(p: &SisoProblem) -> usize {
 /// their counterparts on matrix tiles), as the device's `StatePassing` says.
 fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     match gpu.state_passing() {
-        StatePassing::Fused => true,
+        StatePassing::Fused | StatePassing::Dual => true,
         StatePassing::Split => false,
         StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
     }
 }
 
-/// Whether the backward walks both directions in one kernel (`mamba3_siso_dual_scan`): with the
-/// fused walks on the SIMT path of Vulkan, when every chunk and state tile is full and the rotated
-/// pairs are whole (`dual_scan_applies` in mamba3_siso_state.slang checks the same). Not on CUDA,
-/// where NVRTC spills the walks' stage-ahead loads (see `state_scan_is_regular`).
+/// Whether the backward walks both directions in one kernel (`mamba3_siso_dual_scan`): when the
+/// device's `StatePassing` is `Dual`, on the SIMT path of Vulkan, with every chunk and state tile
+/// full and the rotated pairs whole (`dual_scan_applies` in mamba3_siso_state.slang checks the
+/// same). Not on CUDA, where NVRTC spills the walks' stage-ahead loads (`state_scan_is_regular`).
 fn dual_scan_applies(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
-    fused_states(p, gpu)
+    gpu.state_passing() == StatePassing::Dual
         && gpu.backend() == "vulkan"
         && gpu.matrix_path() == MatrixPath::Simt
         && p.chunk == TILE
@@ -1171,13 +1171,7 @@ impl OpDef for SisoBwd {
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
         if dual_scan_applies(p, gpu) {
             // both walks in one kernel (S_in and dS_out; the forward walk's final state is not needed)
-            let dual = SisoStatePush {
-                dout,
-                dstates,
-                dinit_state: dfinal[1],
-                dfinal_state: dstates_in[1],
-                ..state
-            };
+            let dual = SisoStatePush { dout, dstates, dinit_state: dfinal[1], dfinal_state: dstates_in[1], ..state };
             recorded.dispatches.push(Dispatch::linear(
                 kernels::mamba3_siso_state::MAMBA3_SISO_DUAL_SCAN,
                 state_tiles(p) as u64,

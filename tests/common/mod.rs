@@ -111,10 +111,11 @@ pub fn with_state_passing(device: &Device, passing: StatePassing) -> Device {
     device.with_state_passing(passing).expect("a GPU device takes either state passing")
 }
 
-/// As `backend_tests!` for the SISO scan's two ways of passing states: `vulkan_fused_states::name`,
+/// As `backend_tests!` for the SISO scan's ways of passing states: `vulkan_fused_states::name`,
 /// `cuda_fused_states::name` and `vulkan_tiles_fused_states::name` (the fused walks on matrix
 /// tiles) run each test with the fused state kernels whatever the shape (the small shapes of the
-/// suite would otherwise take the split ones).
+/// suite would otherwise take the split ones); `vulkan_dual_states::name` with `Dual` (the
+/// backward's two walks in one kernel where the shape allows).
 #[macro_export]
 macro_rules! state_passing_tests {
     ($($name:ident),* $(,)?) => {
@@ -123,6 +124,15 @@ macro_rules! state_passing_tests {
                 if let Some(device) = super::common::device(mamba_kernels::BackendKind::Vulkan) {
                     let fused = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused);
                     super::$name(&fused);
+                    super::common::assert_no_validation_messages(&device);
+                }
+            })*
+        }
+        mod vulkan_dual_states {
+            $(#[test] fn $name() {
+                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Vulkan) {
+                    let dual = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Dual);
+                    super::$name(&dual);
                     super::common::assert_no_validation_messages(&device);
                 }
             })*
