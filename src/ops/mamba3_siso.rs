@@ -1355,6 +1355,22 @@ impl OpDef for SisoBwd {
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&SisoShape::for_size(size), true, seed)
     }
+
+    /// The small example, and one full 64-step chunk with a full 64 × 128 state tile: the shape
+    /// `StatePassing::Dual` takes `mamba3_siso_dual_scan` for.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        let full_tile = SisoShape {
+            batch: 1,
+            length: 64,
+            heads: 1,
+            groups: 1,
+            state: 128,
+            head_dim: 64,
+            rope: 2,
+            ..SisoShape::bench()
+        };
+        vec![Self::example(ExampleSize::Small, seed), example_inputs(&full_tile, true, seed)]
+    }
 }
 
 // ------------------------------------------------------------------------------------------------
