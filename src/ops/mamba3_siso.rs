@@ -19,7 +19,8 @@
 //! masked intra-chunk term, diagonal, D, gate). Where B·H·tiles workgroups fill the GPU
 //! (`StatePassing`), `state_scan` replaces `chunk_state` and `state_pass`: a workgroup per
 //! (b, h, state tile) walks the chunks with the running state in registers, so the local states
-//! never go through memory (and `dstate_scan` the gradient pair).
+//! never go through memory (and `dstate_scan` the gradient pair). With `StatePassing::Dual` (opt-in)
+//! the backward walks both directions in one kernel, `dual_scan`, where chunks and tiles are full.
 //!
 //! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
