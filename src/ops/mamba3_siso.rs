@@ -770,7 +770,7 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
 
 /// Whether the backward walks both directions in one kernel (`mamba3_siso_dual_scan`): when the
 /// device's `StatePassing` is `Dual`, on the SIMT path of Vulkan, with every chunk and state tile
-/// full and the rotated pairs whole (`dual_scan_applies` in mamba3_siso_state.slang checks the
+/// full and the rotated pairs whole (`walk_is_regular` in mamba3_siso_state.slang checks the
 /// same). Not on CUDA, where NVRTC spills the walks' stage-ahead loads (`state_scan_is_regular`).
 fn dual_scan_applies(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     gpu.state_passing() == StatePassing::Dual
