@@ -3,9 +3,8 @@
 # packed runner on OPS (default: the SISO scan) with `bench --detail`, Vulkan with the driver's
 # pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
 # dumps those variants' Vulkan pipelines (for scripts/vk-sass.py), CHUNKS="32 48" also times the
-# last variant at those chunk sizes (`bench --scalar chunk_size=C`, Vulkan), SPLIT="a b" and
-# DUAL="a b" also time those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split or =dual.
-# Logs go to $OUT.
+# last variant at those chunk sizes (`bench --scalar chunk_size=C`, Vulkan), SPLIT="a b" also times
+# those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split. Logs go to $OUT.
 #   usage: scripts/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -19,15 +18,11 @@ for r in ${VARIANTS:-$(ls /tmp/variants)}; do
   echo "== $n vulkan"
   MAMBA_VK_PIPELINE_STATS=1 /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail >"$out/$n.vk.txt" 2>&1
   grep -E "^\| |Register|rror" "$out/$n.vk.txt" | grep -vE "column_sum|copy_f32" | sed 's/Binary Size.*Shared/Shared/'
-  for passing in split dual; do
-    list=$([ "$passing" = split ] && echo "${SPLIT:-}" || echo "${DUAL:-}")
-    if [[ " $list " == *" $n "* ]]; then
-      echo "== $n vulkan, $passing state passing"
-      MAMBA_VK_PIPELINE_STATS=1 MAMBA_SISO_STATE_PASSING=$passing /tmp/variants/$r bench --backend vulkan --ops "$ops" \
-        --repeats 20 --detail >"$out/$n.$passing.vk.txt" 2>&1
-      grep -E "^\| |Register|rror" "$out/$n.$passing.vk.txt" | grep -vE "column_sum|copy_f32" | sed 's/Binary Size.*Shared/Shared/'
-    fi
-  done
+  if [[ " ${SPLIT:-} " == *" $n "* ]]; then
+    echo "== $n vulkan, split state passing"
+    MAMBA_SISO_STATE_PASSING=split /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail >"$out/$n.split.vk.txt" 2>&1
+    grep -E "^\| |rror" "$out/$n.split.vk.txt" | grep -vE "column_sum|copy_f32"
+  fi
   if [ "${NOCUDA:-0}" = 0 ]; then
     echo "== $n cuda"
     /tmp/variants/$r bench --backend cuda --ops "$ops" --repeats 20 --detail >"$out/$n.cu.txt" 2>&1

@@ -84,34 +84,27 @@ pub enum StatePassing {
     /// A workgroup per (b, h, chunk, state tile) for the chunks' own states, then an element-wise
     /// pass over the chunks: parallel over chunks as well, for small B·H.
     Split,
-    /// `Fused`, and where the backward's shapes allow it (full chunks and tiles, Vulkan's SIMT
-    /// path) both of its walks in one kernel, `mamba3_siso_dual_scan`: a workgroup holds a forward
-    /// and a gradient state, so the two walks fill one wave of the GPU instead of two. Opt-in until
-    /// timed on a GPU (docs/PERFORMANCE.md, run 25).
-    Dual,
 }
 
-/// Set to `auto`, `fused`, `split` or `dual` to choose how the SISO scan passes states (default
-/// `auto`).
+/// Set to `auto`, `fused` or `split` to choose how the SISO scan passes states (default `auto`).
 pub const STATE_PASSING_ENV: &str = "MAMBA_SISO_STATE_PASSING";
 
 impl StatePassing {
-    pub const ALL: [StatePassing; 4] =
-        [StatePassing::Auto, StatePassing::Fused, StatePassing::Split, StatePassing::Dual];
+    pub const ALL: [StatePassing; 3] = [StatePassing::Auto, StatePassing::Fused, StatePassing::Split];
 
     pub fn name(self) -> &'static str {
         match self {
             StatePassing::Auto => "auto",
             StatePassing::Fused => "fused",
             StatePassing::Split => "split",
-            StatePassing::Dual => "dual",
         }
     }
 
     pub fn parse(text: &str) -> Result<Self> {
-        StatePassing::ALL.into_iter().find(|p| p.name() == text.trim()).ok_or_else(|| {
-            Error::Dispatch(format!("{STATE_PASSING_ENV}={text:?}: expected auto, fused, split or dual"))
-        })
+        StatePassing::ALL
+            .into_iter()
+            .find(|p| p.name() == text.trim())
+            .ok_or_else(|| Error::Dispatch(format!("{STATE_PASSING_ENV}={text:?}: expected auto, fused or split")))
     }
 
     /// `MAMBA_SISO_STATE_PASSING` when set (an error when it names no choice), else `Auto`.

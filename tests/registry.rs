@@ -45,8 +45,7 @@ fn op_names_are_unique() {
 }
 
 /// Each registered op's small example against the reference, on every available GPU backend and
-/// every matrix path it offers (each also with the fused SISO state kernels, and the SIMT path with
-/// the dual walk); and together the ops' dispatches reach every entry point of every
+/// every matrix path it offers (each also with the fused SISO state kernels); and together the ops' dispatches reach every entry point of every
 /// kernel file the backend compiles. The tensor-core entry points (SPIR-V-only files, names without
 /// `emulated`) are exempt on a device without tensor cores: their emulated twins stand in for them.
 fn every_entry_point_has_a_parity_case(device: &Device) {
@@ -59,10 +58,6 @@ fn every_entry_point_has_a_parity_case(device: &Device) {
     for &path in &paths {
         let on_path = device.with_matrix_path(path).expect("the device offers this path");
         let fused = on_path.with_state_passing(StatePassing::Fused).expect("a GPU device");
-        if path == MatrixPath::Simt {
-            let dual = on_path.with_state_passing(StatePassing::Dual).expect("a GPU device");
-            choices.push((dual, format!("{}, dual states", path.name())));
-        }
         choices.push((on_path, path.name().to_string()));
         choices.push((fused, format!("{}, fused states", path.name())));
     }
@@ -98,10 +93,6 @@ fn every_entry_point_has_a_parity_case(device: &Device) {
         for (entry, _) in file.entry_points.iter().zip(0..) {
             let tensor_cores_only = spirv_only && !entry.name.contains("emulated");
             if tensor_cores_only && !paths.contains(&MatrixPath::TensorCores) {
-                continue;
-            }
-            // the dual walk is Vulkan's only (dual_scan_applies in src/ops/mamba3_siso.rs)
-            if cuda && entry.name == "mamba3_siso_dual_scan" {
                 continue;
             }
             let label = format!("{}::{}", file.name, entry.name);

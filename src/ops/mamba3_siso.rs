@@ -19,8 +19,7 @@
 //! masked intra-chunk term, diagonal, D, gate). Where B·H·tiles workgroups fill the GPU
 //! (`StatePassing`), `state_scan` replaces `chunk_state` and `state_pass`: a workgroup per
 //! (b, h, state tile) walks the chunks with the running state in registers, so the local states
-//! never go through memory (and `dstate_scan` the gradient pair). With `StatePassing::Dual` (opt-in)
-//! the backward walks both directions in one kernel, `dual_scan`, where chunks and tiles are full.
+//! never go through memory (and `dstate_scan` the gradient pair).
 //!
 //! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
@@ -613,9 +612,6 @@ push_constants! {
         dt: u32,
         trap: u32,
         final_state: u32,
-        dstates: u32,
-        dinit_state: u32,
-        dfinal_state: u32,
         batch: u32,
         length: u32,
         heads: u32,
@@ -762,26 +758,10 @@ fn state_tiles(p: &SisoProblem) -> usize {
 /// their counterparts on matrix tiles), as the device's `StatePassing` says.
 fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     match gpu.state_passing() {
-        StatePassing::Fused | StatePassing::Dual => true,
+        StatePassing::Fused => true,
         StatePassing::Split => false,
         StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
     }
-}
-
-/// Whether the backward walks both directions in one kernel (`mamba3_siso_dual_scan`): when the
-/// device's `StatePassing` is `Dual`, on the SIMT path of Vulkan, with every chunk and state tile
-/// full and the rotated pairs whole (`walk_is_regular` in mamba3_siso_state.slang checks the
-/// same). Not on CUDA, where NVRTC spills the walks' stage-ahead loads (`state_scan_is_regular`).
-fn dual_scan_applies(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
-    gpu.state_passing() == StatePassing::Dual
-        && gpu.backend() == "vulkan"
-        && gpu.matrix_path() == MatrixPath::Simt
-        && p.chunk == TILE
-        && p.length % TILE == 0
-        && p.head_dim % TILE == 0
-        && p.state % STATE_TILE_COLS == 0
-        && p.rope % 2 == 0
-        && p.rope > 0
 }
 
 /// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
@@ -877,9 +857,8 @@ fn u(value: usize) -> u32 {
     value as u32
 }
 
-/// Allocates the forward scratch and records prep, angle pass and rotation; returns the push
-/// constants of the forward state walk, for the caller to record its chain (`state_chain`; the
-/// backward records its gradient walk beside it, or both in one kernel: `dual_scan_applies`).
+/// Allocates the forward scratch and records prep, angle pass and rotation; returns the state
+/// chain (`state_chain`) for the caller to record (the backward records its gradient chain beside it).
 /// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
 fn record_states(
     p: &SisoProblem,
@@ -888,7 +867,7 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
-) -> Result<(Common, SisoStatePush)> {
+) -> Result<(Common, Vec<Dispatch>)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
         Some([
@@ -966,7 +945,8 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    Ok((common, state))
+    let chain = state_chain(p, gpu, &state, false)?;
+    Ok((common, chain))
 }
 
 fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
@@ -988,9 +968,6 @@ fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: 
         dt: c.dt,
         trap: c.trap,
         final_state,
-        dstates: NO_BUFFER,
-        dinit_state: NO_BUFFER,
-        dfinal_state: NO_BUFFER,
         batch: u(p.batch),
         length: u(p.length),
         heads: u(p.heads),
@@ -1083,8 +1060,7 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let (common, state) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
-        let state_chain = state_chain(p, gpu, &state, false)?;
+        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
         recorded.dispatches.extend(state_chain);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
         recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
@@ -1166,29 +1142,17 @@ impl OpDef for SisoBwd {
         };
 
         // forward recomputation: S_in of every chunk
-        let (common, state) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
-        if dual_scan_applies(p, gpu) {
-            // both walks in one kernel (S_in and dS_out; the forward walk's final state is not needed)
-            let dual = SisoStatePush { dout, dstates, dinit_state: dfinal[1], dfinal_state: dstates_in[1], ..state };
-            recorded.dispatches.push(Dispatch::linear(
-                kernels::mamba3_siso_state::MAMBA3_SISO_DUAL_SCAN,
-                state_tiles(p) as u64,
-                &dual,
-            )?);
-        } else {
-            let forward_chain = state_chain(p, gpu, &state, false)?;
-            let dstate =
-                SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
-            let gradient_chain = state_chain(p, gpu, &dstate, true)?;
-            // The gradient chain is independent of the forward one: each step runs alongside its
-            // counterpart, so the latency-bound passes share the GPU instead of following each other.
-            for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
-                recorded.dispatches.push(forward);
-                recorded.dispatches.push(gradient.alongside_previous());
-            }
+        let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
+        let gradient_chain = state_chain(p, gpu, &dstate, true)?;
+        // The gradient chain is independent of the forward one: each step runs alongside its
+        // counterpart, so the latency-bound passes share the GPU instead of following each other.
+        for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
+            recorded.dispatches.push(forward);
+            recorded.dispatches.push(gradient.alongside_previous());
         }
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
@@ -1355,22 +1319,6 @@ impl OpDef for SisoBwd {
 
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&SisoShape::for_size(size), true, seed)
-    }
-
-    /// The small example, and one full 64-step chunk with a full 64 × 128 state tile: the shape
-    /// `StatePassing::Dual` takes `mamba3_siso_dual_scan` for.
-    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
-        let full_tile = SisoShape {
-            batch: 1,
-            length: 64,
-            heads: 1,
-            groups: 1,
-            state: 128,
-            head_dim: 64,
-            rope: 2,
-            ..SisoShape::bench()
-        };
-        vec![Self::example(ExampleSize::Small, seed), example_inputs(&full_tile, true, seed)]
     }
 }
 

@@ -111,33 +111,20 @@ pub fn with_state_passing(device: &Device, passing: StatePassing) -> Device {
     device.with_state_passing(passing).expect("a GPU device takes either state passing")
 }
 
-/// Runs `test` on the Vulkan device `device` (when there is one) passing states as `passing` says,
-/// then checks that the validation layer stayed quiet.
-pub fn on_vulkan_with_passing(device: Option<Device>, passing: StatePassing, test: fn(&Device)) {
-    if let Some(device) = device {
-        test(&with_state_passing(&device, passing));
-        assert_no_validation_messages(&device);
-    }
-}
-
-/// As `backend_tests!` for the SISO scan's ways of passing states: `vulkan_fused_states::name`,
+/// As `backend_tests!` for the SISO scan's two ways of passing states: `vulkan_fused_states::name`,
 /// `cuda_fused_states::name` and `vulkan_tiles_fused_states::name` (the fused walks on matrix
 /// tiles) run each test with the fused state kernels whatever the shape (the small shapes of the
-/// suite would otherwise take the split ones); `vulkan_dual_states::name` with `Dual` (the
-/// backward's two walks in one kernel where the shape allows).
+/// suite would otherwise take the split ones).
 #[macro_export]
 macro_rules! state_passing_tests {
     ($($name:ident),* $(,)?) => {
         mod vulkan_fused_states {
             $(#[test] fn $name() {
-                let device = super::common::device(mamba_kernels::BackendKind::Vulkan);
-                super::common::on_vulkan_with_passing(device, mamba_kernels::gpu::StatePassing::Fused, super::$name);
-            })*
-        }
-        mod vulkan_dual_states {
-            $(#[test] fn $name() {
-                let device = super::common::device(mamba_kernels::BackendKind::Vulkan);
-                super::common::on_vulkan_with_passing(device, mamba_kernels::gpu::StatePassing::Dual, super::$name);
+                if let Some(device) = super::common::device(mamba_kernels::BackendKind::Vulkan) {
+                    let fused = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused);
+                    super::$name(&fused);
+                    super::common::assert_no_validation_messages(&device);
+                }
             })*
         }
         mod cuda_fused_states {
@@ -149,8 +136,11 @@ macro_rules! state_passing_tests {
         }
         mod vulkan_tiles_fused_states {
             $(#[test] fn $name() {
-                let device = super::common::vulkan_tiles_device();
-                super::common::on_vulkan_with_passing(device, mamba_kernels::gpu::StatePassing::Fused, super::$name);
+                if let Some(device) = super::common::vulkan_tiles_device() {
+                    let fused = super::common::with_state_passing(&device, mamba_kernels::gpu::StatePassing::Fused);
+                    super::$name(&fused);
+                    super::common::assert_no_validation_messages(&device);
+                }
             })*
         }
     };
