@@ -801,6 +801,7 @@ struct PathKernels {
     state_scan: KernelRef,
     dstate_scan: KernelRef,
     chunk_fwd: KernelRef,
+    dqk: KernelRef,
 }
 
 fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
@@ -813,6 +814,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: state::MAMBA3_SISO_STATE_SCAN,
             dstate_scan: state::MAMBA3_SISO_DSTATE_SCAN,
             chunk_fwd: chunk::MAMBA3_SISO_CHUNK_FWD,
+            dqk: kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
         },
         MatrixPath::TensorCores => PathKernels {
             chunk_state: mma_state::MAMBA3_SISO_MMA_CHUNK_STATE,
@@ -820,6 +822,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: mma_state::MAMBA3_SISO_MMA_STATE_SCAN,
             dstate_scan: mma_state::MAMBA3_SISO_MMA_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_CHUNK_FWD,
+            dqk: kernels::mamba3_siso_mma_dqk::MAMBA3_SISO_MMA_DQK,
         },
         MatrixPath::Emulated => PathKernels {
             chunk_state: mma_state::MAMBA3_SISO_MMA_EMULATED_CHUNK_STATE,
@@ -827,6 +830,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_STATE_SCAN,
             dstate_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_EMULATED_CHUNK_FWD,
+            dqk: kernels::mamba3_siso_mma_dqk::MAMBA3_SISO_MMA_EMULATED_DQK,
         },
     }
 }
@@ -1216,7 +1220,7 @@ impl OpDef for SisoBwd {
         // placed before chunk_bwd's many short ones, which fill the multiprocessors that dqk's last
         // wave leaves idle (docs/PERFORMANCE.md, run 22).
         recorded.dispatches.push(Dispatch::linear(
-            kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
+            path_kernels(gpu).dqk,
             (b * g * nc * tiles_n) as u64,
             &dqk,
         )?);
@@ -1460,6 +1464,7 @@ mod tests {
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_chunk::FILE).unwrap();
         check_push_layout::<SisoChunkPush>(kernels::mamba3_siso_mma_chunk::FILE).unwrap();
         check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_dqk::FILE).unwrap();
+        check_push_layout::<SisoDqkPush>(kernels::mamba3_siso_mma_dqk::FILE).unwrap();
         check_push_layout::<SisoTailPush>(kernels::mamba3_siso_tail::FILE).unwrap();
     }
 
