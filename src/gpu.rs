@@ -79,8 +79,7 @@ pub enum StatePassing {
     /// `Fused` where its B·H·tiles workgroups fill a GPU, else `Split`.
     Auto,
     /// One kernel per direction: a workgroup per (b, h, state tile) walks the chunks with the
-    /// running state in registers, so the chunks' own states never go through memory. On the SIMT
-    /// path the forward's walk (a workgroup per (b, h)) also computes the chunks' outputs.
+    /// running state in registers, so the chunks' own states never go through memory.
     Fused,
     /// A workgroup per (b, h, chunk, state tile) for the chunks' own states, then an element-wise
     /// pass over the chunks: parallel over chunks as well, for small B·H.

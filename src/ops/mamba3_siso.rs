@@ -19,10 +19,7 @@
 //! masked intra-chunk term, diagonal, D, gate). Where B·H·tiles workgroups fill the GPU
 //! (`StatePassing`), `state_scan` replaces `chunk_state` and `state_pass`: a workgroup per
 //! (b, h, state tile) walks the chunks with the running state in registers, so the local states
-//! never go through memory (and `dstate_scan` the gradient pair). On the SIMT path the forward goes
-//! one step further there (`fused_forward`): `state_init` writes the first chunk's S_in, then
-//! `scan_fwd`, a workgroup per (b, h), computes each chunk's output as `chunk_fwd` does and adds the
-//! chunk's own state to a running state in memory, so no chunk's state is stored.
+//! never go through memory (and `dstate_scan` the gradient pair).
 //!
 //! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
@@ -767,20 +764,6 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     }
 }
 
-/// Whether the forward runs as one walk per (b, h) that computes the chunks' outputs as it goes
-/// (`mamba3_siso_state_init`, then `mamba3_siso_scan_fwd`) instead of the state walk and the
-/// chunk kernel: where the states are fused, on the SIMT path. The states of the chunks then never
-/// go through memory (the forward needs no [B, H, chunks, P, N] scratch), and the walk's loads of
-/// v, k and the table find the rows the chunk's output has just read.
-fn fused_forward(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
-    gpu.matrix_path() == MatrixPath::Simt
-        && match gpu.state_passing() {
-            StatePassing::Fused => true,
-            StatePassing::Split => false,
-            StatePassing::Auto => p.batch * p.heads >= FUSED_STATES_MIN_WORKGROUPS,
-        }
-}
-
 /// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
 /// kernel, or the chunk kernel and its pass. Forward and gradient chains have the same length, so
 /// the backward runs them step by step side by side.
@@ -881,8 +864,6 @@ fn u(value: usize) -> u32 {
 /// Allocates the forward scratch and records prep, angle pass and rotation; returns the state
 /// chain (`state_chain`) for the caller to record (the backward records its gradient chain beside it).
 /// `finals` = (final_angle_state, final_ssm_state, final_k_state, final_v_state) slots, or NO_BUFFER.
-/// With `running` (`fused_forward`) there is no chunk-state scratch: `Common::states` is the
-/// final-state slot and the chain only sets it to the first chunk's S_in.
 fn record_states(
     p: &SisoProblem,
     gpu: &dyn Gpu,
@@ -890,7 +871,6 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
-    running: bool,
 ) -> Result<(Common, Vec<Dispatch>)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
@@ -921,11 +901,7 @@ fn record_states(
         theta_loc: recorded.scratch(gpu, op, "in-chunk angles (scratch)", bh * l * p.rope)?,
         theta_start: recorded.scratch(gpu, op, "chunk angle prefixes (scratch)", bh * (nc + 1) * p.rope)?,
         rotation: recorded.scratch(gpu, op, "rotation table (scratch)", 2 * bh * l * p.rope)?,
-        states: if running {
-            finals[1]
-        } else {
-            recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?
-        },
+        states: recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
     };
     let prep = SisoPrepPush {
         adt: slot(inputs, op, "adt")?,
@@ -973,11 +949,6 @@ fn record_states(
         v_state: states_in.map_or(NO_BUFFER, |s| s[3]),
         ..state
     };
-    if running {
-        let groups = (bh * p.head_dim * p.state).div_ceil(STATE_PASS_THREADS) as u64;
-        let init = Dispatch::linear(kernels::mamba3_siso_state::MAMBA3_SISO_STATE_INIT, groups, &state)?;
-        return Ok((common, vec![init]));
-    }
     let chain = state_chain(p, gpu, &state, false)?;
     Ok((common, chain))
 }
@@ -1093,16 +1064,10 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let running = fused_forward(p, gpu);
-        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals, running)?;
+        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
         recorded.dispatches.extend(state_chain);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
-        if running {
-            let scan = kernels::mamba3_siso_chunk::MAMBA3_SISO_SCAN_FWD;
-            recorded.dispatches.push(Dispatch::linear(scan, (b * h) as u64, &push)?);
-        } else {
-            recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
-        }
+        recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
         Ok(recorded)
     }
 
@@ -1181,7 +1146,7 @@ impl OpDef for SisoBwd {
         };
 
         // forward recomputation: S_in of every chunk
-        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4], false)?;
+        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
