@@ -738,11 +738,8 @@ const _: () = assert!(std::mem::size_of::<SisoTailPush>() == kernels::mamba3_sis
 
 /// Columns of one output tile of the chunk kernels (SISO_TILE in siso_tile.slang).
 const TILE: usize = 64;
-/// State dims (columns) of one SIMT chunk-state tile (STATE_COLS in mamba3_siso_state.slang).
-const SIMT_STATE_TILE_COLS: usize = 128;
-/// State dims (columns) of one chunk-state tile on matrix tiles (TILE_COLS in
-/// mamba3_siso_mma_state.slang).
-const MMA_STATE_TILE_COLS: usize = 128;
+/// State dims (columns) of one chunk-state tile (STATE_COLS in mamba3_siso_state.slang).
+const STATE_TILE_COLS: usize = 128;
 /// Threads of the element-wise state pass.
 const STATE_PASS_THREADS: usize = 256;
 
@@ -753,16 +750,8 @@ const STATE_PASS_THREADS: usize = 256;
 const FUSED_STATES_MIN_WORKGROUPS: usize = 192;
 
 /// (b, h, state tile) triples: the workgroups of the fused state kernels.
-fn state_tiles(p: &SisoProblem, gpu: &dyn Gpu) -> usize {
-    p.batch * p.heads * p.head_dim.div_ceil(TILE) * p.state.div_ceil(state_tile_cols(gpu))
-}
-
-/// State dims (columns) of one tile of the chunk-state kernels of the device's matrix path.
-fn state_tile_cols(gpu: &dyn Gpu) -> usize {
-    match gpu.matrix_path() {
-        MatrixPath::Simt => SIMT_STATE_TILE_COLS,
-        MatrixPath::TensorCores | MatrixPath::Emulated => MMA_STATE_TILE_COLS,
-    }
+fn state_tiles(p: &SisoProblem) -> usize {
+    p.batch * p.heads * p.head_dim.div_ceil(TILE) * p.state.div_ceil(STATE_TILE_COLS)
 }
 
 /// Whether the states go through the fused kernels (`mamba3_siso_state_scan`, `_dstate_scan`, or
@@ -771,7 +760,7 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     match gpu.state_passing() {
         StatePassing::Fused => true,
         StatePassing::Split => false,
-        StatePassing::Auto => state_tiles(p, gpu) >= FUSED_STATES_MIN_WORKGROUPS,
+        StatePassing::Auto => state_tiles(p) >= FUSED_STATES_MIN_WORKGROUPS,
     }
 }
 
@@ -783,7 +772,7 @@ fn state_chain(p: &SisoProblem, gpu: &dyn Gpu, push: &SisoStatePush, grad: bool)
     let paths = path_kernels(gpu);
     if fused_states(p, gpu) {
         let kernel = if grad { paths.dstate_scan } else { paths.state_scan };
-        return Ok(vec![Dispatch::linear(kernel, state_tiles(p, gpu) as u64, push)?]);
+        return Ok(vec![Dispatch::linear(kernel, state_tiles(p) as u64, push)?]);
     }
     let (local, pass) = if grad {
         (paths.chunk_dstate, state::MAMBA3_SISO_STATE_PASS_REVERSE)
@@ -791,7 +780,7 @@ fn state_chain(p: &SisoProblem, gpu: &dyn Gpu, push: &SisoStatePush, grad: bool)
         (paths.chunk_state, state::MAMBA3_SISO_STATE_PASS)
     };
     Ok(vec![
-        Dispatch::linear(local, (state_tiles(p, gpu) * p.chunks()) as u64, push)?,
+        Dispatch::linear(local, (state_tiles(p) * p.chunks()) as u64, push)?,
         Dispatch::linear(pass, state_pass_groups(p), push)?,
     ])
 }
@@ -953,7 +942,7 @@ fn record_states(
             &prep,
         )?);
     }
-    let state = state_push(p, gpu, &common, NO_BUFFER, common.states, finals[1]);
+    let state = state_push(p, &common, NO_BUFFER, common.states, finals[1]);
     let state = SisoStatePush {
         init_state: states_in.map_or(NO_BUFFER, |s| s[1]),
         k_state: states_in.map_or(NO_BUFFER, |s| s[2]),
@@ -964,7 +953,7 @@ fn record_states(
     Ok((common, chain))
 }
 
-fn state_push(p: &SisoProblem, gpu: &dyn Gpu, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
+fn state_push(p: &SisoProblem, c: &Common, dout: u32, states: u32, final_state: u32) -> SisoStatePush {
     SisoStatePush {
         q: c.q,
         k: c.k,
@@ -993,7 +982,7 @@ fn state_push(p: &SisoProblem, gpu: &dyn Gpu, c: &Common, dout: u32, states: u32
         chunk: u(p.chunk),
         chunks: u(p.chunks()),
         tiles_p: u(p.head_dim.div_ceil(TILE)),
-        tiles_n: u(p.state.div_ceil(state_tile_cols(gpu))),
+        tiles_n: u(p.state.div_ceil(STATE_TILE_COLS)),
     }
 }
 
@@ -1161,7 +1150,7 @@ impl OpDef for SisoBwd {
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
-        let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, gpu, &common, dout, dstates, dstates_in[1]) };
+        let dstate = SisoStatePush { init_state: dfinal[1], ..state_push(p, &common, dout, dstates, dstates_in[1]) };
         let gradient_chain = state_chain(p, gpu, &dstate, true)?;
         // The gradient chain is independent of the forward one: each step runs alongside its
         // counterpart, so the latency-bound passes share the GPU instead of following each other.
