@@ -764,6 +764,21 @@ fn fused_states(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
     }
 }
 
+/// Whether the fused walks take their loader-warp form (`mamba3_siso_state_scan_ws`, 2.6% faster
+/// than the plain walk on an H100, docs/PERFORMANCE.md run 38): on Vulkan's SIMT path, where every
+/// state tile and chunk is regular (the shader's `regular_tile`, full 64-step chunks). NVRTC would
+/// need to spill to fit it, so CUDA keeps the plain walk.
+fn loader_walks(p: &SisoProblem, gpu: &dyn Gpu) -> bool {
+    gpu.backend() == "vulkan"
+        && gpu.matrix_path() == MatrixPath::Simt
+        && p.chunk == TILE
+        && p.length % TILE == 0
+        && p.head_dim % TILE == 0
+        && p.state % STATE_TILE_COLS == 0
+        && p.rope % 2 == 0
+        && p.rope > 0
+}
+
 /// The dispatches that compute the states of every chunk (S_in, or dS_out with `GRAD`): the fused
 /// kernel, or the chunk kernel and its pass. Forward and gradient chains have the same length, so
 /// the backward runs them step by step side by side.
@@ -771,7 +786,12 @@ fn state_chain(p: &SisoProblem, gpu: &dyn Gpu, push: &SisoStatePush, grad: bool)
     use kernels::mamba3_siso_state as state;
     let paths = path_kernels(gpu);
     if fused_states(p, gpu) {
-        let kernel = if grad { paths.dstate_scan } else { paths.state_scan };
+        let kernel = match (loader_walks(p, gpu), grad) {
+            (true, false) => state::MAMBA3_SISO_STATE_SCAN_WS,
+            (true, true) => state::MAMBA3_SISO_DSTATE_SCAN_WS,
+            (false, false) => paths.state_scan,
+            (false, true) => paths.dstate_scan,
+        };
         return Ok(vec![Dispatch::linear(kernel, state_tiles(p) as u64, push)?]);
     }
     let (local, pass) = if grad {
@@ -1086,6 +1106,12 @@ impl OpDef for SisoFwd {
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&SisoShape::for_size(size), false, seed)
     }
+
+    /// The small example, and a regular one (full 64-step chunks, N = 128, P = 64) whose fused
+    /// walks take their loader-warp form on Vulkan.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        vec![Self::example(ExampleSize::Small, seed), example_inputs(&SisoShape::regular(), false, seed)]
+    }
 }
 
 /// `mamba3_siso_bwd`.
@@ -1324,6 +1350,12 @@ impl OpDef for SisoBwd {
     fn example(size: ExampleSize, seed: u64) -> (TensorMap, Scalars) {
         example_inputs(&SisoShape::for_size(size), true, seed)
     }
+
+    /// The small example, and a regular one (full 64-step chunks, N = 128, P = 64) whose fused
+    /// walks take their loader-warp form on Vulkan.
+    fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
+        vec![Self::example(ExampleSize::Small, seed), example_inputs(&SisoShape::regular(), true, seed)]
+    }
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1364,6 +1396,25 @@ impl SisoShape {
             z: true,
             states: false,
             final_grads: false,
+        }
+    }
+
+    /// The smallest shape whose tiles and chunks are all regular (full 64-step chunks, P a multiple
+    /// of 64, N of 128, S even): the walks' loader-warp form on Vulkan.
+    pub fn regular() -> Self {
+        SisoShape {
+            batch: 1,
+            length: 128,
+            heads: 1,
+            groups: 1,
+            state: 128,
+            head_dim: 64,
+            rope: 32,
+            chunk: 64,
+            d: true,
+            z: true,
+            states: true,
+            final_grads: true,
         }
     }
 
