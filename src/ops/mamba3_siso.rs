@@ -19,7 +19,8 @@
 //! masked intra-chunk term, diagonal, D, gate). Where B·H·tiles workgroups fill the GPU
 //! (`StatePassing`), `state_scan` replaces `chunk_state` and `state_pass`: a workgroup per
 //! (b, h, state tile) walks the chunks with the running state in registers, so the local states
-//! never go through memory (and `dstate_scan` the gradient pair).
+//! never go through memory (and `dstate_scan` the gradient pair). On Vulkan, where every tile and
+//! chunk is regular, the walks take their loader-warp form (`state_scan_ws`, `loader_walks`).
 //!
 //! backward: the forward's first five passes again (states entering every chunk), then `chunk_state`
 //! in gradient mode (dS_loc = Σ_t exp(A_t) g_t q̃_tᵀ) and `state_pass` in reverse (gradient of the
