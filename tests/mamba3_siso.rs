@@ -77,8 +77,8 @@ fn forward_and_backward_match_reference(device: &Device) {
     }
 }
 
-/// Three full chunks at N = 128, P = 64: the fused state walk's regular path, which fetches each
-/// chunk's first stage, weights and decay during the previous chunk's products; the backward also
+/// Three full chunks at N = 128, P = 64: on Vulkan the fused walks' loader-warp form
+/// (`mamba3_siso_state_scan_ws`, taken where every tile and chunk is regular); the backward also
 /// checked for bitwise repeatability there (run on the fused-states devices only; the other paths
 /// see full chunks in `cases`). On CUDA the walks take the general path for every chunk
 /// (`target_is_cuda`), which this checks there instead.

@@ -1108,10 +1108,8 @@ impl OpDef for SisoFwd {
         example_inputs(&SisoShape::for_size(size), false, seed)
     }
 
-    /// The small example, and a regular one (full 64-step chunks, N = 128, P = 64) whose fused
-    /// walks take their loader-warp form on Vulkan.
     fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
-        vec![Self::example(ExampleSize::Small, seed), example_inputs(&SisoShape::regular(), false, seed)]
+        coverage_examples(false, seed)
     }
 }
 
@@ -1352,10 +1350,8 @@ impl OpDef for SisoBwd {
         example_inputs(&SisoShape::for_size(size), true, seed)
     }
 
-    /// The small example, and a regular one (full 64-step chunks, N = 128, P = 64) whose fused
-    /// walks take their loader-warp form on Vulkan.
     fn coverage_examples(seed: u64) -> Vec<(TensorMap, Scalars)> {
-        vec![Self::example(ExampleSize::Small, seed), example_inputs(&SisoShape::regular(), true, seed)]
+        coverage_examples(true, seed)
     }
 }
 
@@ -1402,6 +1398,7 @@ impl SisoShape {
 
     /// The smallest shape whose tiles and chunks are all regular (full 64-step chunks, P a multiple
     /// of 64, N of 128, S even): the walks' loader-warp form on Vulkan.
+    /// Its optional inputs are the small example's (all given).
     pub fn regular() -> Self {
         SisoShape {
             batch: 1,
@@ -1412,10 +1409,7 @@ impl SisoShape {
             head_dim: 64,
             rope: 32,
             chunk: 64,
-            d: true,
-            z: true,
-            states: true,
-            final_grads: true,
+            ..Self::for_size(ExampleSize::Small)
         }
     }
 
@@ -1440,6 +1434,15 @@ impl SisoShape {
             },
         }
     }
+}
+
+/// The registry test's examples of both SISO ops: the small one, and a regular one (full 64-step
+/// chunks, N = 128, P = 64) whose fused walks take their loader-warp form on Vulkan.
+fn coverage_examples(backward: bool, seed: u64) -> Vec<(TensorMap, Scalars)> {
+    [SisoShape::for_size(ExampleSize::Small), SisoShape::regular()]
+        .iter()
+        .map(|shape| example_inputs(shape, backward, seed))
+        .collect()
 }
 
 /// Random inputs with the distributions of the issue: dt log-uniform in [1e-3, 1e-1],
