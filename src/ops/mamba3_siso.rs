@@ -1244,11 +1244,7 @@ impl OpDef for SisoBwd {
         // few long workgroups (one per chunk, tile and group, looping over the heads) are then all
         // placed before chunk_bwd's many short ones, which fill the multiprocessors that dqk's last
         // wave leaves idle (docs/PERFORMANCE.md, run 22).
-        recorded.dispatches.push(Dispatch::linear(
-            path_kernels(gpu).dqk,
-            (b * g * nc * tiles_n) as u64,
-            &dqk,
-        )?);
+        recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).dqk, (b * g * nc * tiles_n) as u64, &dqk)?);
         recorded.dispatches.push(chunk_bwd.alongside_previous());
 
         // angles, input states, dt and trap
