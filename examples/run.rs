@@ -68,6 +68,10 @@ enum Command {
         /// (repeatable; applied to every selected op, validated by it).
         #[arg(long = "scalar", value_name = "NAME=VALUE")]
         scalars: Vec<String>,
+        /// Times the Mamba-3 SISO scan as a training step keeps it: the forward also returns the
+        /// chunk states (`save_for_backward`), which the backward then reads instead of recomputing.
+        #[arg(long)]
+        save_for_backward: bool,
     },
     /// Runs every op's example on several backends and prints the largest difference between
     /// them and against the CPU reference, per output.
@@ -101,8 +105,8 @@ fn main() -> ExitCode {
             }
             Ok(())
         }
-        Command::Bench { backend, ops, repeats, small, detail, scalars } => {
-            bench(&backend, ops.as_deref(), repeats, small, detail, &scalars)
+        Command::Bench { backend, ops, repeats, small, detail, scalars, save_for_backward } => {
+            bench(&backend, ops.as_deref(), repeats, small, detail, &scalars, save_for_backward)
         }
         Command::Compare { backends, size } => compare(&backends, &size),
         Command::Startup => startup(),
@@ -234,6 +238,7 @@ fn bench(
     small: bool,
     detail: bool,
     overrides: &[String],
+    save_for_backward: bool,
 ) -> Result<()> {
     let overrides = overrides
         .iter()
@@ -253,9 +258,20 @@ fn bench(
     println!("| op | time (µs) | traffic (MB) | GB/s | % of copy | GFLOP/s |");
     println!("|---|---:|---:|---:|---:|---:|");
     for op in selected {
-        let (inputs, mut scalars) = op.example(size, 1);
+        let (mut inputs, mut scalars) = op.example(size, 1);
         for (name, value) in &overrides {
             scalars.set(name, value);
+        }
+        let mut label = op.name().to_string();
+        if save_for_backward {
+            match op.name() {
+                "mamba3_siso_fwd" => scalars.set("save_for_backward", "1"),
+                "mamba3_siso_bwd" => inputs = ops::mamba3_siso::with_saved_chunk_states(&device, &inputs, &scalars)?,
+                _ => {}
+            }
+            if op.name().starts_with("mamba3_siso_") {
+                label.push_str(" (chunk states saved)");
+            }
         }
         let prepared = op.prepare(gpu, &inputs, &scalars)?;
         let seconds = timed(gpu, &prepared.recorded.dispatches, repeats)?;
@@ -264,7 +280,7 @@ fn bench(
             if prepared.flops > 0 { format!("{:.0}", prepared.flops as f64 / seconds / 1e9) } else { "-".into() };
         println!(
             "| {} | {:.1} | {:.1} | {:.0} | {:.0}% | {} |",
-            op.name(),
+            label,
             seconds * 1e6,
             prepared.traffic_bytes as f64 / 1e6,
             rate / 1e9,

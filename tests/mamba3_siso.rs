@@ -7,9 +7,9 @@ use common::{
     assert_deterministic, assert_refused, check_against_reference, GRADIENT, PARAMETER_GRADIENT, SCAN_FORWARD,
 };
 use mamba_kernels::ops::mamba3_preprocess::{self, PreprocessShape};
-use mamba_kernels::ops::mamba3_siso::{example_inputs, SisoShape, FINAL_STATES, INPUT_STATES};
+use mamba_kernels::ops::mamba3_siso::{example_inputs, SisoShape, CHUNK_STATES, FINAL_STATES, INPUT_STATES};
 use mamba_kernels::random::Rng;
-use mamba_kernels::testing::relative_error;
+use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{ops, Device, Scalars, Tensor, TensorMap};
 
 const FORWARD_OP: &str = "mamba3_siso_fwd";
@@ -20,7 +20,9 @@ const DSTATES: [&str; 4] = ["dangle_state", "dssm_state", "dk_state", "dv_state"
 /// spec/ops.md: scan outputs 2e-5, gradients 1e-4, sums over batch and time 3e-4.
 fn tolerance(name: &str) -> f64 {
     match name {
-        "out" | "final_angle_state" | "final_ssm_state" | "final_k_state" | "final_v_state" => SCAN_FORWARD,
+        "out" | "final_angle_state" | "final_ssm_state" | "final_k_state" | "final_v_state" | CHUNK_STATES => {
+            SCAN_FORWARD
+        }
         "dq_bias" | "dk_bias" | "dd" => PARAMETER_GRADIENT,
         _ => GRADIENT,
     }
@@ -111,6 +113,55 @@ fn chunk_size_only_tunes(device: &Device) {
         for (backward, op) in [(false, FORWARD_OP), (true, BACKWARD_OP)] {
             let (inputs, scalars) = example_inputs(&s, backward, 7);
             check_against_reference(device, op, &inputs, &scalars, &tolerance, &format!("chunk {chunk}"));
+        }
+    }
+}
+
+/// Saved for the backward: the forward's `chunk_states` (`save_for_backward` = 1) match the
+/// reference's states entering every chunk, and the backward given them returns bitwise what it
+/// returns when it recomputes them (the same walk, run once instead of twice). Shapes: regular
+/// chunks at N = 128, P = 64 with weakened decays (the loader-warp walk on Vulkan, and states that
+/// carry weight into the next chunk), ragged chunks of 16 with input states, and the per-element
+/// paths (P·N = 18) with no optional inputs.
+fn saved_chunk_states_are_reused(device: &Device) {
+    let shapes = [
+        shape(1, 192, 2, 1, 128, 64, 32, 64, ALL),
+        shape(2, 77, 4, 2, 16, 8, 4, 16, ALL),
+        shape(1, 70, 2, 1, 6, 3, 1, 16, NONE),
+    ];
+    for (i, s) in shapes.iter().enumerate() {
+        let case = format!("{s:?}");
+        let (mut inputs, scalars) = example_inputs(s, true, 60 + i as u64);
+        if i == 0 {
+            let adt = inputs.get_mut("adt").expect("the SISO examples have adt");
+            adt.data_mut().iter_mut().for_each(|x| *x *= 0.01);
+        }
+        let mut forward_inputs = inputs.clone();
+        forward_inputs.remove("dout");
+        DFINAL.iter().for_each(|name| _ = forward_inputs.remove(*name));
+        let saving = scalars.clone().with("save_for_backward", 1);
+        let forward = check_against_reference(device, FORWARD_OP, &forward_inputs, &saving, &tolerance, &case);
+        let plain = ops::run(device, FORWARD_OP, &forward_inputs, &scalars).expect("forward without saving");
+        for (name, tensor) in &plain {
+            assert!(bitwise_equal(tensor, &forward[name]), "[{case}] `{name}` changes when the states are saved");
+        }
+        let recomputed = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward");
+        inputs.insert(CHUNK_STATES.into(), forward[CHUNK_STATES].clone());
+        let reused = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward with chunk_states");
+        assert_eq!(reused.keys().collect::<Vec<_>>(), recomputed.keys().collect::<Vec<_>>());
+        for (name, tensor) in &recomputed {
+            assert!(
+                bitwise_equal(tensor, &reused[name]),
+                "{BACKWARD_OP} [{case}] on {}: `{name}` differs between saved and recomputed chunk states",
+                device.kind()
+            );
+        }
+        // and the GPU backward reads them (the CPU reference recomputes whatever it is given)
+        if device.gpu().is_some() {
+            let states = inputs.get_mut(CHUNK_STATES).expect("inserted above");
+            states.data_mut().iter_mut().for_each(|x| *x = 2.0 * *x + 1.0);
+            let altered = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward with altered states");
+            assert!(!bitwise_equal(&altered["dq"], &recomputed["dq"]), "[{case}] `chunk_states` was not read");
         }
     }
 }
@@ -438,10 +489,25 @@ fn bad_input_is_refused(device: &Device) {
     assert_refused(device, op, &stray, &scalars, &["`dfinal_k`", "not an input"]);
     let (forward_only, _) = example_inputs(&base, false, 3);
     assert_refused(device, FORWARD_OP, &forward_only, &scalars.clone().with("chunk_sizes", 64), &["`chunk_sizes`"]);
+    assert_refused(
+        device,
+        FORWARD_OP,
+        &forward_only,
+        &scalars.clone().with("save_for_backward", 2),
+        &["`save_for_backward`", "0 or 1"],
+    );
+    // the states entering each of the 10-step input's chunks of 16: one chunk, not two
+    let mut wrong_chunks = inputs.clone();
+    wrong_chunks.insert(CHUNK_STATES.into(), Tensor::zeros(vec![1, 4, 2, 4, 8]));
+    assert_refused(device, op, &wrong_chunks, &scalars, &["`chunk_states`", "chunks=1", "[1, 4, 2, 4, 8]"]);
+    let mut saved_into_forward = forward_only.clone();
+    saved_into_forward.insert(CHUNK_STATES.into(), Tensor::zeros(vec![1, 4, 1, 4, 8]));
+    assert_refused(device, FORWARD_OP, &saved_into_forward, &scalars, &["`chunk_states`", "not an input"]);
 }
 
 backend_tests!(
     forward_and_backward_match_reference,
+    saved_chunk_states_are_reused,
     chunk_size_only_tunes,
     state_continuation,
     single_steps_equal_chunked_run,
@@ -452,6 +518,7 @@ backend_tests!(
 
 tile_path_tests!(
     forward_and_backward_match_reference,
+    saved_chunk_states_are_reused,
     chunk_size_only_tunes,
     state_continuation,
     single_steps_equal_chunked_run,
@@ -462,6 +529,7 @@ tile_path_tests!(
 
 state_passing_tests!(
     forward_and_backward_match_reference,
+    saved_chunk_states_are_reused,
     full_chunks_match_reference,
     chunk_size_only_tunes,
     state_continuation,

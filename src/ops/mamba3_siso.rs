@@ -34,6 +34,7 @@
 
 use std::f64::consts::{PI, TAU};
 
+use crate::backend::Device;
 use crate::error::Result;
 use crate::gpu::{Dispatch, Gpu, MatrixPath, StatePassing, NO_BUFFER};
 use crate::kernels::{self, KernelRef};
@@ -76,6 +77,11 @@ pub struct SisoProblem {
     pub has_states: bool,
     /// Backward only: which final-state gradients were given.
     pub has_dfinal: [bool; 4],
+    /// Forward only: also return `chunk_states` (scalar `save_for_backward`).
+    pub save_for_backward: bool,
+    /// Backward only: `chunk_states` from the forward was given, so the states entering the
+    /// chunks are read instead of recomputed.
+    pub has_chunk_states: bool,
 }
 
 impl SisoProblem {
@@ -169,7 +175,37 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProble
         has_z,
         has_states,
         has_dfinal: [false; 4],
+        save_for_backward: false,
+        has_chunk_states: false,
     })
+}
+
+/// The name of the states entering every chunk, which the forward returns when asked
+/// (`save_for_backward`) and the backward takes instead of recomputing them.
+pub const CHUNK_STATES: &str = "chunk_states";
+
+/// Backward inputs with the forward's saved `chunk_states` added: runs `mamba3_siso_fwd` on
+/// `device` with `save_for_backward` = 1 on the forward's part of `inputs` (benchmarks and tools;
+/// a training step keeps the forward's own output instead).
+pub fn with_saved_chunk_states(device: &Device, inputs: &TensorMap, scalars: &Scalars) -> Result<TensorMap> {
+    let backward_only = ["dout", "dfinal_angle_state", "dfinal_ssm_state", "dfinal_k_state", "dfinal_v_state"];
+    let forward_inputs: TensorMap = inputs
+        .iter()
+        .filter(|(name, _)| !backward_only.contains(&name.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    let saving = scalars.clone().with("save_for_backward", 1);
+    let mut forward = crate::ops::run(device, SisoFwd::NAME, &forward_inputs, &saving)?;
+    let mut result = inputs.clone();
+    if let Some(states) = forward.remove(CHUNK_STATES) {
+        result.insert(CHUNK_STATES.into(), states);
+    }
+    Ok(result)
+}
+
+/// The shape of `chunk_states`: [B, H, chunks, P, N].
+fn chunk_states_dims(p: &SisoProblem) -> [(&'static str, usize); 5] {
+    [("B", p.batch), ("H", p.heads), ("chunks", p.chunks()), ("P", p.head_dim), ("N", p.state)]
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -254,6 +290,8 @@ struct Trace {
     h: Vec<f64>,
     /// y_t before the gate, [L, P]
     y: Vec<f64>,
+    /// the state entering each chunk in the kernels' shifted form, [chunks, P, N] (when asked)
+    chunk_states: Vec<f64>,
     /// final θ (unwrapped), h, k̃ and v
     final_theta: Vec<f64>,
     final_h: Vec<f64>,
@@ -286,6 +324,7 @@ fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool)
         k_rot: Vec::with_capacity(cap * n),
         h: Vec::with_capacity(cap * pd * n),
         y: Vec::with_capacity(cap * pd),
+        chunk_states: Vec::new(),
         final_theta: Vec::new(),
         final_h: Vec::new(),
         final_k: Vec::new(),
@@ -294,6 +333,14 @@ fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool)
     for t in 0..p.length {
         let i = x.bht(b, h, t);
         let (adt, dt, lambda) = (x.adt[i], x.dt[i], sigmoid(x.trap[i]));
+        if p.save_for_backward && t % p.chunk == 0 {
+            // S = h_{t−1} + μ_t·v_{t−1}k̃_{t−1}ᵀ with μ_t = (1 − λ_t)·dt_t: the state entering the
+            // chunk in the shifted form the kernels carry (S_t = α_t·S_{t−1} + scale_t·v_t k̃_tᵀ)
+            let mu = (1.0 - lambda) * dt;
+            for a in 0..pd {
+                trace.chunk_states.extend((0..n).map(|j| state[a * n + j] + mu * v_prev[a] * k_prev[j]));
+            }
+        }
         let arow = &x.angles[x.blh(b, t, h, s)..][..s];
         for (th, &a) in theta.iter_mut().zip(arow) {
             *th += PI * a.tanh() * dt;
@@ -355,9 +402,11 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
     let mut final_ssm = vec![0.0; p.batch * p.heads * pd * n];
     let mut final_k = vec![0.0; p.batch * p.heads * n];
     let mut final_v = vec![0.0; p.batch * p.heads * pd];
+    let mut chunk_states = Vec::new();
     for b in 0..p.batch {
         for h in 0..p.heads {
             let trace = forward_sequence(&x, b, h, &mut out, false);
+            chunk_states.extend_from_slice(&trace.chunk_states);
             let bh = b * p.heads + h;
             for (o, th) in final_angle[bh * s..][..s].iter_mut().zip(&trace.final_theta) {
                 *o = wrap_angle(*th);
@@ -373,6 +422,10 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
     result.insert("final_ssm_state".into(), tensor(vec![p.batch, p.heads, pd, n], final_ssm));
     result.insert("final_k_state".into(), tensor(vec![p.batch, p.heads, n], final_k));
     result.insert("final_v_state".into(), tensor(vec![p.batch, p.heads, pd], final_v));
+    if p.save_for_backward {
+        let shape = chunk_states_dims(p).iter().map(|d| d.1).collect();
+        result.insert(CHUNK_STATES.into(), tensor(shape, chunk_states));
+    }
     result
 }
 
@@ -892,6 +945,7 @@ fn record_states(
     recorded: &mut Recorded,
     op: &str,
     finals: [u32; 4],
+    states: Option<u32>,
 ) -> Result<(Common, Vec<Dispatch>)> {
     let (bh, l, nc) = (p.batch * p.heads, p.length, p.chunks());
     let states_in = if p.has_states {
@@ -922,7 +976,10 @@ fn record_states(
         theta_loc: recorded.scratch(gpu, op, "in-chunk angles (scratch)", bh * l * p.rope)?,
         theta_start: recorded.scratch(gpu, op, "chunk angle prefixes (scratch)", bh * (nc + 1) * p.rope)?,
         rotation: recorded.scratch(gpu, op, "rotation table (scratch)", 2 * bh * l * p.rope)?,
-        states: recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
+        states: match states {
+            Some(slot) => slot,
+            None => recorded.scratch(gpu, op, "chunk states (scratch)", bh * nc * p.head_dim * p.state)?,
+        },
     };
     let prep = SisoPrepPush {
         adt: slot(inputs, op, "adt")?,
@@ -1067,7 +1124,9 @@ impl OpDef for SisoFwd {
     type Problem = SisoProblem;
 
     fn check(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProblem> {
-        check_common(shapes, scalars)
+        let mut p = check_common(shapes, scalars)?;
+        p.save_for_backward = scalars.flag_or("save_for_backward", false)?;
+        Ok(p)
     }
 
     fn reference(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<f64> {
@@ -1085,7 +1144,14 @@ impl OpDef for SisoFwd {
             recorded.output(gpu, op, "final_k_state", vec![b, h, p.state])?,
             recorded.output(gpu, op, "final_v_state", vec![b, h, p.head_dim])?,
         ];
-        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals)?;
+        // saved for the backward: the walk's chunk states go to an output instead of scratch
+        let states = if p.save_for_backward {
+            let shape = chunk_states_dims(p).iter().map(|d| d.1).collect();
+            Some(recorded.output(gpu, op, CHUNK_STATES, shape)?)
+        } else {
+            None
+        };
+        let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals, states)?;
         recorded.dispatches.extend(state_chain);
         let push = SisoChunkPush { out, ..chunk_push(p, &common) };
         recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
@@ -1094,7 +1160,8 @@ impl OpDef for SisoFwd {
 
     fn traffic_bytes(p: &SisoProblem) -> u64 {
         let (b, h, n, pd) = (p.batch, p.heads, p.state, p.head_dim);
-        input_bytes(p) + 4 * (b * p.length * h * pd + b * h * (p.rope + pd * n + n + pd)) as u64
+        let saved = if p.save_for_backward { b * h * p.chunks() * pd * n } else { 0 };
+        input_bytes(p) + 4 * (b * p.length * h * pd + b * h * (p.rope + pd * n + n + pd) + saved) as u64
     }
 
     /// Per step of every (b, h): the chunk's state contribution (2PN), the inter-chunk output (2PN),
@@ -1132,6 +1199,7 @@ impl OpDef for SisoBwd {
             shapes.exact_optional(DFINAL[2], &[("B", b), ("H", h), ("N", n)])?,
             shapes.exact_optional(DFINAL[3], &[("B", b), ("H", h), ("P", pd)])?,
         ];
+        p.has_chunk_states = shapes.exact_optional(CHUNK_STATES, &chunk_states_dims(&p))?;
         Ok(p)
     }
 
@@ -1170,8 +1238,12 @@ impl OpDef for SisoBwd {
             [NO_BUFFER; 4]
         };
 
-        // forward recomputation: S_in of every chunk
-        let (common, forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4])?;
+        // S_in of every chunk: the forward's, when it saved them, else recomputed
+        let saved = if p.has_chunk_states { Some(slot(inputs, op, CHUNK_STATES)?) } else { None };
+        let (common, mut forward_chain) = record_states(p, gpu, inputs, &mut recorded, op, [NO_BUFFER; 4], saved)?;
+        if saved.is_some() {
+            forward_chain.clear(); // the forward's walk is not repeated
+        }
 
         // gradient of the state leaving every chunk
         let dstates = recorded.scratch(gpu, op, "chunk state gradients (scratch)", bh * nc * pd * n)?;
@@ -1179,9 +1251,13 @@ impl OpDef for SisoBwd {
         let gradient_chain = state_chain(p, gpu, &dstate, true)?;
         // The gradient chain is independent of the forward one: each step runs alongside its
         // counterpart, so the latency-bound passes share the GPU instead of following each other.
-        for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
-            recorded.dispatches.push(forward);
-            recorded.dispatches.push(gradient.alongside_previous());
+        if forward_chain.is_empty() {
+            recorded.dispatches.extend(gradient_chain);
+        } else {
+            for (forward, gradient) in forward_chain.into_iter().zip(gradient_chain) {
+                recorded.dispatches.push(forward);
+                recorded.dispatches.push(gradient.alongside_previous());
+            }
         }
 
         // per chunk: dv, dz, dadt, dscale, dγ, dd partials
@@ -1324,6 +1400,9 @@ impl OpDef for SisoBwd {
         if p.has_states {
             grads += b * h * (s + pd * n + n + pd);
         }
+        if p.has_chunk_states {
+            reads += b * h * p.chunks() * pd * n;
+        }
         reads += p
             .has_dfinal
             .iter()
@@ -1337,8 +1416,10 @@ impl OpDef for SisoBwd {
     /// Per step of every (b, h): recomputed chunk state, dS_loc, the inter-chunk output, the state
     /// term of dv/dscale, the inter-chunk dq and the state term of dk (2PN each), and the causal
     /// halves of the six chunk-local products (scores, y, W, g·vᵀ: Q·N or Q·P each; dq, dk: Q·N).
+    /// Given the forward's `chunk_states`, the chunk state is not recomputed.
     fn flops(p: &SisoProblem) -> u64 {
-        let per_step = 12 * p.head_dim * p.state + p.chunk * (3 * p.state + 3 * p.head_dim);
+        let state_products = if p.has_chunk_states { 10 } else { 12 };
+        let per_step = state_products * p.head_dim * p.state + p.chunk * (3 * p.state + 3 * p.head_dim);
         (p.batch * p.heads * p.length * per_step) as u64
     }
 
@@ -1503,6 +1584,8 @@ mod tests {
             has_z: s.z,
             has_states: s.states,
             has_dfinal: [s.final_grads; 4],
+            save_for_backward: false,
+            has_chunk_states: false,
         }
     }
 
@@ -1958,6 +2041,8 @@ mod chunked_model {
                 has_z: z,
                 has_states: states,
                 has_dfinal: [true; 4],
+                save_for_backward: false,
+                has_chunk_states: false,
             };
             let (inputs, _) = example_inputs(&shape, true, 17);
             let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
