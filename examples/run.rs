@@ -68,8 +68,9 @@ enum Command {
         /// (repeatable; applied to every selected op, validated by it).
         #[arg(long = "scalar", value_name = "NAME=VALUE")]
         scalars: Vec<String>,
-        /// Times the Mamba-3 SISO scan as a training step keeps it: the forward also returns the
-        /// chunk states (`save_for_backward`), which the backward then reads instead of recomputing.
+        /// Times the Mamba-3 SISO scan as a training step runs it: the forward also returns the
+        /// chunk states and y before the gate (`save_for_backward`), which the backward then reads
+        /// instead of recomputing them.
         #[arg(long)]
         save_for_backward: bool,
     },
@@ -266,11 +267,11 @@ fn bench(
         if save_for_backward {
             match op.name() {
                 "mamba3_siso_fwd" => scalars.set("save_for_backward", "1"),
-                "mamba3_siso_bwd" => inputs = ops::mamba3_siso::with_saved_chunk_states(&device, &inputs, &scalars)?,
+                "mamba3_siso_bwd" => inputs = ops::mamba3_siso::with_saved_forward(&device, &inputs, &scalars)?,
                 _ => {}
             }
             if op.name().starts_with("mamba3_siso_") {
-                label.push_str(" (chunk states saved)");
+                label.push_str(" (saved for backward)");
             }
         }
         let prepared = op.prepare(gpu, &inputs, &scalars)?;

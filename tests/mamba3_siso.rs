@@ -7,7 +7,9 @@ use common::{
     assert_deterministic, assert_refused, check_against_reference, GRADIENT, PARAMETER_GRADIENT, SCAN_FORWARD,
 };
 use mamba_kernels::ops::mamba3_preprocess::{self, PreprocessShape};
-use mamba_kernels::ops::mamba3_siso::{example_inputs, SisoShape, CHUNK_STATES, FINAL_STATES, INPUT_STATES};
+use mamba_kernels::ops::mamba3_siso::{
+    example_inputs, SisoShape, CHUNK_STATES, FINAL_STATES, INPUT_STATES, UNGATED_OUT,
+};
 use mamba_kernels::random::Rng;
 use mamba_kernels::testing::{bitwise_equal, relative_error};
 use mamba_kernels::{ops, Device, Scalars, Tensor, TensorMap};
@@ -20,9 +22,8 @@ const DSTATES: [&str; 4] = ["dangle_state", "dssm_state", "dk_state", "dv_state"
 /// spec/ops.md: scan outputs 2e-5, gradients 1e-4, sums over batch and time 3e-4.
 fn tolerance(name: &str) -> f64 {
     match name {
-        "out" | "final_angle_state" | "final_ssm_state" | "final_k_state" | "final_v_state" | CHUNK_STATES => {
-            SCAN_FORWARD
-        }
+        "out" | "final_angle_state" | "final_ssm_state" | "final_k_state" | "final_v_state" | CHUNK_STATES
+        | UNGATED_OUT => SCAN_FORWARD,
         "dq_bias" | "dk_bias" | "dd" => PARAMETER_GRADIENT,
         _ => GRADIENT,
     }
@@ -117,13 +118,15 @@ fn chunk_size_only_tunes(device: &Device) {
     }
 }
 
-/// Saved for the backward: the forward's `chunk_states` (`save_for_backward` = 1) match the
-/// reference's states entering every chunk, and the backward given them returns bitwise what it
-/// returns when it recomputes them (the same walk, run once instead of twice). Shapes: regular
-/// chunks at N = 128, P = 64 with weakened decays (the loader-warp walk on Vulkan, and states that
-/// carry weight into the next chunk), ragged chunks of 16 with input states, and the per-element
-/// paths (P·N = 18) with no optional inputs.
-fn saved_chunk_states_are_reused(device: &Device) {
+/// Saved for the backward: the forward's `chunk_states` and `ungated_out` (`save_for_backward` =
+/// 1) match the reference's states entering every chunk and y before the gate, and saving changes
+/// none of the other outputs. The backward given the chunk states returns bitwise what it returns
+/// when it recomputes them (the same walk, run once instead of twice); given y before the gate as
+/// well (the forward's, or `out` without z), it matches the reference, reads both, and repeats
+/// bitwise. Shapes: regular chunks at N = 128, P = 64 with weakened decays (the loader-warp walk on
+/// Vulkan, and states that carry weight into the next chunk), ragged chunks of 16 with input
+/// states, and the per-element paths (P·N = 18) with no optional inputs.
+fn saved_for_backward_is_reused(device: &Device) {
     let shapes = [
         shape(1, 192, 2, 1, 128, 64, 32, 64, ALL),
         shape(2, 77, 4, 2, 16, 8, 4, 16, ALL),
@@ -146,6 +149,7 @@ fn saved_chunk_states_are_reused(device: &Device) {
             assert!(bitwise_equal(tensor, &forward[name]), "[{case}] `{name}` changes when the states are saved");
         }
         let recomputed = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward");
+        let mut both_saved = inputs.clone();
         inputs.insert(CHUNK_STATES.into(), forward[CHUNK_STATES].clone());
         let reused = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward with chunk_states");
         assert_eq!(reused.keys().collect::<Vec<_>>(), recomputed.keys().collect::<Vec<_>>());
@@ -162,6 +166,20 @@ fn saved_chunk_states_are_reused(device: &Device) {
             states.data_mut().iter_mut().for_each(|x| *x = 2.0 * *x + 1.0);
             let altered = ops::run(device, BACKWARD_OP, &inputs, &scalars).expect("backward with altered states");
             assert!(!bitwise_equal(&altered["dq"], &recomputed["dq"]), "[{case}] `chunk_states` was not read");
+        }
+
+        let ungated = if s.z { &forward[UNGATED_OUT] } else { &forward["out"] };
+        both_saved.insert(CHUNK_STATES.into(), forward[CHUNK_STATES].clone());
+        both_saved.insert(UNGATED_OUT.into(), ungated.clone());
+        let case = format!("{case}, chunk states and y saved");
+        check_against_reference(device, BACKWARD_OP, &both_saved, &scalars, &tolerance, &case);
+        assert_deterministic(device, BACKWARD_OP, &both_saved, &scalars, 2);
+        if device.gpu().is_some() {
+            let before = ops::run(device, BACKWARD_OP, &both_saved, &scalars).expect("backward with y saved");
+            let y = both_saved.get_mut(UNGATED_OUT).expect("inserted above");
+            y.data_mut().iter_mut().for_each(|x| *x = 2.0 * *x + 1.0);
+            let altered = ops::run(device, BACKWARD_OP, &both_saved, &scalars).expect("backward with altered y");
+            assert!(!bitwise_equal(&altered["dadt"], &before["dadt"]), "[{case}] `ungated_out` was not read");
         }
     }
 }
@@ -500,6 +518,9 @@ fn bad_input_is_refused(device: &Device) {
     let mut wrong_chunks = inputs.clone();
     wrong_chunks.insert(CHUNK_STATES.into(), Tensor::zeros(vec![1, 4, 2, 4, 8]));
     assert_refused(device, op, &wrong_chunks, &scalars, &["`chunk_states`", "chunks=1", "[1, 4, 2, 4, 8]"]);
+    let mut wrong_steps = inputs.clone();
+    wrong_steps.insert(UNGATED_OUT.into(), Tensor::zeros(vec![1, 11, 4, 4]));
+    assert_refused(device, op, &wrong_steps, &scalars, &["`ungated_out`", "L=10", "[1, 11, 4, 4]"]);
     let mut saved_into_forward = forward_only.clone();
     saved_into_forward.insert(CHUNK_STATES.into(), Tensor::zeros(vec![1, 4, 1, 4, 8]));
     assert_refused(device, FORWARD_OP, &saved_into_forward, &scalars, &["`chunk_states`", "not an input"]);
@@ -507,7 +528,7 @@ fn bad_input_is_refused(device: &Device) {
 
 backend_tests!(
     forward_and_backward_match_reference,
-    saved_chunk_states_are_reused,
+    saved_for_backward_is_reused,
     chunk_size_only_tunes,
     state_continuation,
     single_steps_equal_chunked_run,
@@ -518,7 +539,7 @@ backend_tests!(
 
 tile_path_tests!(
     forward_and_backward_match_reference,
-    saved_chunk_states_are_reused,
+    saved_for_backward_is_reused,
     chunk_size_only_tunes,
     state_continuation,
     single_steps_equal_chunked_run,
@@ -529,7 +550,7 @@ tile_path_tests!(
 
 state_passing_tests!(
     forward_and_backward_match_reference,
-    saved_chunk_states_are_reused,
+    saved_for_backward_is_reused,
     full_chunks_match_reference,
     chunk_size_only_tunes,
     state_continuation,

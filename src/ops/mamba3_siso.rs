@@ -77,11 +77,15 @@ pub struct SisoProblem {
     pub has_states: bool,
     /// Backward only: which final-state gradients were given.
     pub has_dfinal: [bool; 4],
-    /// Forward only: also return `chunk_states` (scalar `save_for_backward`).
+    /// Forward only: also return `chunk_states` and, with z, `ungated_out` (scalar
+    /// `save_for_backward`).
     pub save_for_backward: bool,
     /// Backward only: `chunk_states` from the forward was given, so the states entering the
     /// chunks are read instead of recomputed.
     pub has_chunk_states: bool,
+    /// Backward only: `ungated_out` (the forward's y before the gate) was given, so the chunk
+    /// kernel reads y instead of recomputing it.
+    pub has_ungated_out: bool,
 }
 
 impl SisoProblem {
@@ -177,17 +181,22 @@ fn check_common(shapes: &ShapeCheck, scalars: &ScalarCheck) -> Result<SisoProble
         has_dfinal: [false; 4],
         save_for_backward: false,
         has_chunk_states: false,
+        has_ungated_out: false,
     })
 }
 
 /// The name of the states entering every chunk, which the forward returns when asked
 /// (`save_for_backward`) and the backward takes instead of recomputing them.
 pub const CHUNK_STATES: &str = "chunk_states";
+/// The name of y before the gate, y_t = h_t q̃_t + d·v_t, which the forward returns when asked
+/// and z is given (without z it is `out`), and the backward takes instead of recomputing it.
+pub const UNGATED_OUT: &str = "ungated_out";
 
-/// Backward inputs with the forward's saved `chunk_states` added: runs `mamba3_siso_fwd` on
-/// `device` with `save_for_backward` = 1 on the forward's part of `inputs` (benchmarks and tools;
-/// a training step keeps the forward's own output instead).
-pub fn with_saved_chunk_states(device: &Device, inputs: &TensorMap, scalars: &Scalars) -> Result<TensorMap> {
+/// Backward inputs with what the forward saves for it added (`chunk_states`, and `ungated_out`:
+/// the forward's own with z, its `out` without): runs `mamba3_siso_fwd` on `device` with
+/// `save_for_backward` = 1 on the forward's part of `inputs` (benchmarks and tools; a training
+/// step keeps the forward's outputs instead).
+pub fn with_saved_forward(device: &Device, inputs: &TensorMap, scalars: &Scalars) -> Result<TensorMap> {
     let backward_only = ["dout", "dfinal_angle_state", "dfinal_ssm_state", "dfinal_k_state", "dfinal_v_state"];
     let forward_inputs: TensorMap = inputs
         .iter()
@@ -199,6 +208,9 @@ pub fn with_saved_chunk_states(device: &Device, inputs: &TensorMap, scalars: &Sc
     let mut result = inputs.clone();
     if let Some(states) = forward.remove(CHUNK_STATES) {
         result.insert(CHUNK_STATES.into(), states);
+    }
+    if let Some(ungated) = forward.remove(UNGATED_OUT).or_else(|| forward.remove("out")) {
+        result.insert(UNGATED_OUT.into(), ungated);
     }
     Ok(result)
 }
@@ -403,10 +415,17 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
     let mut final_k = vec![0.0; p.batch * p.heads * n];
     let mut final_v = vec![0.0; p.batch * p.heads * pd];
     let mut chunk_states = Vec::new();
+    let mut ungated = vec![0.0; if p.save_for_backward && p.has_z { out.len() } else { 0 }];
     for b in 0..p.batch {
         for h in 0..p.heads {
-            let trace = forward_sequence(&x, b, h, &mut out, false);
+            let keep = !ungated.is_empty();
+            let trace = forward_sequence(&x, b, h, &mut out, keep);
             chunk_states.extend_from_slice(&trace.chunk_states);
+            if keep {
+                for t in 0..p.length {
+                    ungated[x.blh(b, t, h, pd)..][..pd].copy_from_slice(&trace.y[t * pd..][..pd]);
+                }
+            }
             let bh = b * p.heads + h;
             for (o, th) in final_angle[bh * s..][..s].iter_mut().zip(&trace.final_theta) {
                 *o = wrap_angle(*th);
@@ -425,6 +444,9 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
     if p.save_for_backward {
         let shape = chunk_states_dims(p).iter().map(|d| d.1).collect();
         result.insert(CHUNK_STATES.into(), tensor(shape, chunk_states));
+    }
+    if !ungated.is_empty() {
+        result.insert(UNGATED_OUT.into(), tensor(vec![p.batch, p.length, p.heads, pd], ungated));
     }
     result
 }
@@ -706,6 +728,7 @@ push_constants! {
         dgamma: u32,
         dd_partial: u32,
         dfinal_v: u32,
+        ungated: u32,
         batch: u32,
         length: u32,
         heads: u32,
@@ -875,6 +898,8 @@ struct PathKernels {
     state_scan: KernelRef,
     dstate_scan: KernelRef,
     chunk_fwd: KernelRef,
+    /// chunk_fwd that also stores y before the gate (`ungated`)
+    chunk_fwd_save: KernelRef,
     dqk: KernelRef,
 }
 
@@ -888,6 +913,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: state::MAMBA3_SISO_STATE_SCAN,
             dstate_scan: state::MAMBA3_SISO_DSTATE_SCAN,
             chunk_fwd: chunk::MAMBA3_SISO_CHUNK_FWD,
+            chunk_fwd_save: chunk::MAMBA3_SISO_CHUNK_FWD_SAVE,
             dqk: kernels::mamba3_siso_dqk::MAMBA3_SISO_DQK,
         },
         MatrixPath::TensorCores => PathKernels {
@@ -896,6 +922,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: mma_state::MAMBA3_SISO_MMA_STATE_SCAN,
             dstate_scan: mma_state::MAMBA3_SISO_MMA_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_CHUNK_FWD,
+            chunk_fwd_save: mma_chunk::MAMBA3_SISO_MMA_CHUNK_FWD,
             dqk: kernels::mamba3_siso_mma_dqk::MAMBA3_SISO_MMA_DQK,
         },
         MatrixPath::Emulated => PathKernels {
@@ -904,6 +931,7 @@ fn path_kernels(gpu: &dyn Gpu) -> PathKernels {
             state_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_STATE_SCAN,
             dstate_scan: mma_state::MAMBA3_SISO_MMA_EMULATED_DSTATE_SCAN,
             chunk_fwd: mma_chunk::MAMBA3_SISO_MMA_EMULATED_CHUNK_FWD,
+            chunk_fwd_save: mma_chunk::MAMBA3_SISO_MMA_EMULATED_CHUNK_FWD,
             dqk: kernels::mamba3_siso_mma_dqk::MAMBA3_SISO_MMA_EMULATED_DQK,
         },
     }
@@ -1088,6 +1116,7 @@ fn chunk_push(p: &SisoProblem, c: &Common) -> SisoChunkPush {
         dgamma: NO_BUFFER,
         dd_partial: NO_BUFFER,
         dfinal_v: NO_BUFFER,
+        ungated: NO_BUFFER,
         batch: u(p.batch),
         length: u(p.length),
         heads: u(p.heads),
@@ -1153,14 +1182,23 @@ impl OpDef for SisoFwd {
         };
         let (common, state_chain) = record_states(p, gpu, inputs, &mut recorded, op, finals, states)?;
         recorded.dispatches.extend(state_chain);
-        let push = SisoChunkPush { out, ..chunk_push(p, &common) };
-        recorded.dispatches.push(Dispatch::linear(path_kernels(gpu).chunk_fwd, (b * h * p.chunks()) as u64, &push)?);
+        let (kernel, ungated) = if p.save_for_backward && p.has_z {
+            let shape = vec![b, p.length, h, p.head_dim];
+            (path_kernels(gpu).chunk_fwd_save, recorded.output(gpu, op, UNGATED_OUT, shape)?)
+        } else {
+            (path_kernels(gpu).chunk_fwd, NO_BUFFER)
+        };
+        let push = SisoChunkPush { out, ungated, ..chunk_push(p, &common) };
+        recorded.dispatches.push(Dispatch::linear(kernel, (b * h * p.chunks()) as u64, &push)?);
         Ok(recorded)
     }
 
     fn traffic_bytes(p: &SisoProblem) -> u64 {
         let (b, h, n, pd) = (p.batch, p.heads, p.state, p.head_dim);
-        let saved = if p.save_for_backward { b * h * p.chunks() * pd * n } else { 0 };
+        let mut saved = if p.save_for_backward { b * h * p.chunks() * pd * n } else { 0 };
+        if p.save_for_backward && p.has_z {
+            saved += b * p.length * h * pd;
+        }
         input_bytes(p) + 4 * (b * p.length * h * pd + b * h * (p.rope + pd * n + n + pd) + saved) as u64
     }
 
@@ -1200,6 +1238,7 @@ impl OpDef for SisoBwd {
             shapes.exact_optional(DFINAL[3], &[("B", b), ("H", h), ("P", pd)])?,
         ];
         p.has_chunk_states = shapes.exact_optional(CHUNK_STATES, &chunk_states_dims(&p))?;
+        p.has_ungated_out = shapes.exact_optional(UNGATED_OUT, &[("B", b), ("L", l), ("H", h), ("P", pd)])?;
         Ok(p)
     }
 
@@ -1274,9 +1313,15 @@ impl OpDef for SisoBwd {
             dgamma,
             dd_partial,
             dfinal_v: dfinal[3],
+            ungated: if p.has_ungated_out { slot(inputs, op, UNGATED_OUT)? } else { NO_BUFFER },
             ..chunk_push(p, &common)
         };
-        let chunk_bwd = Dispatch::linear(kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD, (bh * nc) as u64, &chunk)?;
+        let chunk_kernel = if p.has_ungated_out {
+            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD_SAVED
+        } else {
+            kernels::mamba3_siso_chunk::MAMBA3_SISO_CHUNK_BWD
+        };
+        let chunk_bwd = Dispatch::linear(chunk_kernel, (bh * nc) as u64, &chunk)?;
 
         // per chunk and group: dq, dk, dθ, bias partials
         let dtheta = recorded.scratch(gpu, op, "angle gradients (scratch)", bh * l * s)?;
@@ -1403,6 +1448,9 @@ impl OpDef for SisoBwd {
         if p.has_chunk_states {
             reads += b * h * p.chunks() * pd * n;
         }
+        if p.has_ungated_out {
+            reads += b * l * h * pd;
+        }
         reads += p
             .has_dfinal
             .iter()
@@ -1416,10 +1464,12 @@ impl OpDef for SisoBwd {
     /// Per step of every (b, h): recomputed chunk state, dS_loc, the inter-chunk output, the state
     /// term of dv/dscale, the inter-chunk dq and the state term of dk (2PN each), and the causal
     /// halves of the six chunk-local products (scores, y, W, g·vᵀ: Q·N or Q·P each; dq, dk: Q·N).
-    /// Given the forward's `chunk_states`, the chunk state is not recomputed.
+    /// Given the forward's `chunk_states`, the chunk state is not recomputed; given `ungated_out`,
+    /// neither is y (its inter-chunk and intra-chunk products).
     fn flops(p: &SisoProblem) -> u64 {
-        let state_products = if p.has_chunk_states { 10 } else { 12 };
-        let per_step = state_products * p.head_dim * p.state + p.chunk * (3 * p.state + 3 * p.head_dim);
+        let state_products = 12 - 2 * usize::from(p.has_chunk_states) - 2 * usize::from(p.has_ungated_out);
+        let step_products = 3 - usize::from(p.has_ungated_out);
+        let per_step = state_products * p.head_dim * p.state + p.chunk * (3 * p.state + step_products * p.head_dim);
         (p.batch * p.heads * p.length * per_step) as u64
     }
 
@@ -1514,12 +1564,35 @@ impl SisoShape {
 }
 
 /// The registry test's examples of both SISO ops: the small one, and a regular one (full 64-step
-/// chunks, N = 128, P = 64) whose fused walks take their loader-warp form on Vulkan.
+/// chunks, N = 128, P = 64) whose fused walks take their loader-warp form on Vulkan; and the
+/// small one saving for the backward (forward) or given what the forward saves (backward: the
+/// reference forward's, which the reference backward matches as well as its own recomputation).
 fn coverage_examples(backward: bool, seed: u64) -> Vec<(TensorMap, Scalars)> {
-    [SisoShape::for_size(ExampleSize::Small), SisoShape::regular()]
-        .iter()
-        .map(|shape| example_inputs(shape, backward, seed))
-        .collect()
+    let small = SisoShape::for_size(ExampleSize::Small);
+    let mut examples: Vec<_> =
+        [small.clone(), SisoShape::regular()].iter().map(|shape| example_inputs(shape, backward, seed)).collect();
+    let (mut inputs, scalars) = example_inputs(&small, backward, seed);
+    let saving = scalars.clone().with("save_for_backward", 1);
+    if !backward {
+        examples.push((inputs, saving));
+        return examples;
+    }
+    let forward_inputs = example_inputs(&small, false, seed).0;
+    let wide: TensorMap<f64> = forward_inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
+    let shapes: std::collections::BTreeMap<String, Vec<usize>> =
+        forward_inputs.iter().map(|(k, v)| (k.clone(), v.shape().to_vec())).collect();
+    let check_shapes = ShapeCheck::new(SisoFwd::NAME, &shapes);
+    let check_scalars = ScalarCheck::new(SisoFwd::NAME, &saving);
+    if let Ok(p) = SisoFwd::check(&check_shapes, &check_scalars) {
+        let saved = reference_forward(&p, &wide);
+        for name in [CHUNK_STATES, UNGATED_OUT] {
+            if let Some(tensor) = saved.get(name) {
+                inputs.insert(name.into(), tensor.to_f32());
+            }
+        }
+    }
+    examples.push((inputs, scalars));
+    examples
 }
 
 /// Random inputs with the distributions of the issue: dt log-uniform in [1e-3, 1e-1],
@@ -1586,6 +1659,7 @@ mod tests {
             has_dfinal: [s.final_grads; 4],
             save_for_backward: false,
             has_chunk_states: false,
+            has_ungated_out: false,
         }
     }
 
@@ -2043,6 +2117,7 @@ mod chunked_model {
                 has_dfinal: [true; 4],
                 save_for_backward: false,
                 has_chunk_states: false,
+                has_ungated_out: false,
             };
             let (inputs, _) = example_inputs(&shape, true, 17);
             let wide: TensorMap<f64> = inputs.iter().map(|(k, v)| (k.clone(), v.to_f64())).collect();
