@@ -118,8 +118,8 @@ fn chunk_size_only_tunes(device: &Device) {
     }
 }
 
-/// Saved for the backward: the forward's `chunk_states` and `ungated_out` (`save_for_backward` =
-/// 1) match the reference's states entering every chunk and y before the gate, and saving changes
+/// Saved for the backward: the forward's `chunk_states` and `ungated_out` (with
+/// `save_for_backward`) match the reference's states entering every chunk and y before the gate, and saving changes
 /// none of the other outputs. The backward given the chunk states returns bitwise what it returns
 /// when it recomputes them (the same walk, run once instead of twice); given y before the gate as
 /// well (the forward's, or `out` without z), it matches the reference, reads both, and repeats
