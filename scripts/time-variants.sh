@@ -4,7 +4,8 @@
 # pipeline statistics, then CUDA unless NOCUDA=1; COMPARE=1 adds `compare` per variant, SASS="a b"
 # dumps those variants' Vulkan pipelines (for scripts/vk-sass.py), CHUNKS="32 48" also times the
 # last variant at those chunk sizes (`bench --scalar chunk_size=C`, Vulkan), SPLIT="a b" also times
-# those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split. Logs go to $OUT.
+# those variants on Vulkan with MAMBA_SISO_STATE_PASSING=split, SAVED="a b" times those variants
+# again with `bench --save-for-backward` (the SISO forward saves, the backward reads). Logs go to $OUT.
 #   usage: scripts/time-variants.sh   (VARIANTS="run-a run-b" picks and orders them)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,12 @@ for r in ${VARIANTS:-$(ls /tmp/variants)}; do
     echo "== $n vulkan, split state passing"
     MAMBA_SISO_STATE_PASSING=split /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail >"$out/$n.split.vk.txt" 2>&1
     grep -E "^\| |rror" "$out/$n.split.vk.txt" | grep -vE "column_sum|copy_f32"
+  fi
+  if [[ " ${SAVED:-} " == *" $n "* ]]; then
+    echo "== $n vulkan, saved for backward"
+    MAMBA_VK_PIPELINE_STATS=1 /tmp/variants/$r bench --backend vulkan --ops "$ops" --repeats 20 --detail \
+      --save-for-backward >"$out/$n.saved.vk.txt" 2>&1
+    grep -E "^\| |Register|rror" "$out/$n.saved.vk.txt" | grep -vE "column_sum|copy_f32" | sed 's/Binary Size.*Shared/Shared/'
   fi
   if [ "${NOCUDA:-0}" = 0 ]; then
     echo "== $n cuda"
