@@ -50,6 +50,8 @@ const MIN_BLOCKS: &[(&str, &str, u32)] = &[
     ("mamba3_siso_state", "mamba3_siso_dstate_scan", 2),
     ("mamba3_siso_chunk", "mamba3_siso_chunk_fwd", 2),
     ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd", 2),
+    ("mamba3_siso_chunk", "mamba3_siso_chunk_fwd_save", 2),
+    ("mamba3_siso_chunk", "mamba3_siso_chunk_bwd_saved", 2),
     ("mamba3_siso_dqk", "mamba3_siso_dqk", 2),
     ("causal_conv1d", "causal_conv1d_bwd_upto4", 4),
     ("rmsnorm", "rmsnorm_bwd_resident", 2),
