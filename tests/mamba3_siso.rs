@@ -123,7 +123,7 @@ fn chunk_size_only_tunes(device: &Device) {
 /// none of the other outputs. The backward given the chunk states returns bitwise what it returns
 /// when it recomputes them (the same walk, run once instead of twice); given y before the gate as
 /// well (the forward's, or `out` without z), it matches the reference, reads both, and repeats
-/// bitwise. Shapes: regular chunks at N = 128, P = 64 with weakened decays (the loader-warp walk on
+/// bitwise, and given y alone it returns bitwise what it returns given both. Shapes: regular chunks at N = 128, P = 64 with weakened decays (the loader-warp walk on
 /// Vulkan, and states that carry weight into the next chunk), ragged chunks of 16 with input
 /// states, and the per-element paths (P·N = 18) with no optional inputs.
 fn saved_for_backward_is_reused(device: &Device) {
@@ -172,8 +172,15 @@ fn saved_for_backward_is_reused(device: &Device) {
         both_saved.insert(CHUNK_STATES.into(), forward[CHUNK_STATES].clone());
         both_saved.insert(UNGATED_OUT.into(), ungated.clone());
         let case = format!("{case}, chunk states and y saved");
-        check_against_reference(device, BACKWARD_OP, &both_saved, &scalars, &tolerance, &case);
+        let with_both = check_against_reference(device, BACKWARD_OP, &both_saved, &scalars, &tolerance, &case);
         assert_deterministic(device, BACKWARD_OP, &both_saved, &scalars, 2);
+        // y alone: the states recomputed are the saved ones bit for bit, so the gradients are too
+        let mut y_only = both_saved.clone();
+        y_only.remove(CHUNK_STATES);
+        let with_y = ops::run(device, BACKWARD_OP, &y_only, &scalars).expect("backward with y saved");
+        for (name, tensor) in &with_both {
+            assert!(bitwise_equal(tensor, &with_y[name]), "[{case}] `{name}` differs without `chunk_states`");
+        }
         if device.gpu().is_some() {
             let before = ops::run(device, BACKWARD_OP, &both_saved, &scalars).expect("backward with y saved");
             let y = both_saved.get_mut(UNGATED_OUT).expect("inserted above");
