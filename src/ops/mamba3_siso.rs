@@ -311,8 +311,9 @@ struct Trace {
     final_v: Vec<f64>,
 }
 
-/// Runs the sequential recurrence of one (b, h) and writes `out` rows.
-fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool) -> Trace {
+/// Runs the sequential recurrence of one (b, h) and writes `out` rows, and y before the gate into
+/// `ungated` when it is not empty (the same layout as `out`).
+fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], ungated: &mut [f64], keep: bool) -> Trace {
     let p = x.p;
     let (n, pd, s) = (p.state, p.head_dim, p.rope);
     let g = h / p.heads_per_group();
@@ -377,6 +378,9 @@ fn forward_sequence(x: &Inputs, b: usize, h: usize, out: &mut [f64], keep: bool)
         let mut y = vec![0.0; pd];
         for a in 0..pd {
             y[a] = (0..n).map(|j| state[a * n + j] * q_rot[j]).sum::<f64>() + d * v[a];
+            if !ungated.is_empty() {
+                ungated[row + a] = y[a];
+            }
             out[row + a] = match x.z {
                 Some(z) => y[a] * silu(z[row + a]),
                 None => y[a],
@@ -418,14 +422,8 @@ pub fn reference_forward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap<
     let mut ungated = vec![0.0; if p.save_for_backward && p.has_z { out.len() } else { 0 }];
     for b in 0..p.batch {
         for h in 0..p.heads {
-            let keep = !ungated.is_empty();
-            let trace = forward_sequence(&x, b, h, &mut out, keep);
+            let trace = forward_sequence(&x, b, h, &mut out, &mut ungated, false);
             chunk_states.extend_from_slice(&trace.chunk_states);
-            if keep {
-                for t in 0..p.length {
-                    ungated[x.blh(b, t, h, pd)..][..pd].copy_from_slice(&trace.y[t * pd..][..pd]);
-                }
-            }
             let bh = b * p.heads + h;
             for (o, th) in final_angle[bh * s..][..s].iter_mut().zip(&trace.final_theta) {
                 *o = wrap_angle(*th);
@@ -478,7 +476,7 @@ pub fn reference_backward(p: &SisoProblem, inputs: &TensorMap<f64>) -> TensorMap
         for h in 0..p.heads {
             let bh = b * p.heads + h;
             let g = h / p.heads_per_group();
-            let tr = forward_sequence(&x, b, h, &mut scratch_out, true);
+            let tr = forward_sequence(&x, b, h, &mut scratch_out, &mut [], true);
             let d = x.d.map_or(0.0, |d| d[h]);
             let (h_init, k_init, v_init) = match &x.states {
                 Some(st) => (
